@@ -1,0 +1,51 @@
+"""EngineConfig: every engine knob in one place, validated, no I/O."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "torch", "triton", "flash-attn", "flash-attn-4")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes (CPU) or gpu_memory_utilization
+    kv_cache_memory_bytes: int = 1 << 30  # CPU budget for the KV pool
+    gpu_memory_utilization: float = 0.90
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # True: no CUDA graphs
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        need(self.attention_backend in BACKENDS,
+             f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two, got {self.block_size}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
+        need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
