@@ -1,0 +1,222 @@
+"""LLMEngine: one step = schedule() -> runner.execute() -> postprocess(). Single-threaded by design:
+the server drives it from its own engine thread."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from attention import get_backend
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+from engine.request import FinishReason, Request, RequestError, SamplingParams, StepOutput
+from engine.runner import ModelRunner, RunnerOutput, kv_bytes_per_block
+from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    scheduler: SchedulerStats
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    idle_invariant_violations: int
+    num_steps: int
+
+
+@dataclass
+class _Completion:
+    """Engine-side state of one of a request's n completions."""
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def eos_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids = getattr(hf_config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(i for i in ids if i is not None)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        path = resolve_model_path(config.model)
+        self.hf_config = load_hf_config(path)
+        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.eos_token_ids = eos_ids(self.hf_config, self.tokenizer)
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = min(config.max_model_len or self.hf_config.max_position_embeddings,
+                                 self.hf_config.max_position_embeddings)
+        head_dim = getattr(self.hf_config, "head_dim", None) or (
+            self.hf_config.hidden_size // self.hf_config.num_attention_heads)
+        self.backend, self.backend_reason = get_backend(config.attention_backend, self.device, head_dim,
+                                                        config.block_size)
+        self.backend_name = self.backend.name
+        model = load_model(path, self.hf_config, self.dtype, self.device, self.backend)
+        self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
+        self.runner = ModelRunner(model, self.hf_config, self.backend, self.device, self.dtype,
+                                  self.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.num_kv_blocks, config.block_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len, config.enable_prefix_caching)
+        self._completions: dict[str, _Completion] = {}  # child request id -> its state
+        self._children: dict[str, list[str]] = {}  # caller's request id -> child ids
+        self._pending: list[StepOutput] = []  # outputs made between steps (aborts), returned by the next step
+        self._prompt_tokens = self._generation_tokens = self._idle_violations = self._steps = 0
+        self._idle_checked = True  # the invariant is checked once per busy -> idle transition
+        self._log_start()
+
+    def _num_blocks_from_memory(self) -> int:
+        per_block = kv_bytes_per_block(self.hf_config, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.config.gpu_memory_utilization) - self._activation_reserve()
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        return max(2, int(budget // per_block))
+
+    def _activation_reserve(self) -> int:
+        # Peak activations of a maximal step: logits of max_num_seqs rows plus a few hidden-sized buffers.
+        c = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        logits = c.max_num_seqs * self.vocab_size * 4 * 3
+        hidden = c.max_num_batched_tokens * (self.hf_config.intermediate_size * 3 + self.hf_config.hidden_size * 8)
+        return logits + hidden * elem + (512 << 20)
+
+    def _log_start(self) -> None:
+        c = self.config
+        logger.info("kvserve engine: device=%s dtype=%s attention=%s (%s)", self.device, str(self.dtype)[6:],
+                    self.backend_name, self.backend_reason)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens of concurrency; max_model_len=%d",
+                    self.num_kv_blocks, c.block_size, self.num_kv_blocks * c.block_size, self.max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request (n completions), or raise RequestError with nothing queued."""
+        if request_id in self._children:
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if not prompt_token_ids:
+            raise RequestError("prompt must not be empty", param="prompt")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        children = [self._make_child(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        self.scheduler.add_request(children[0])  # raises before anything is queued
+        for child in children[1:]:
+            self.scheduler.add_request(child)
+        self._children[request_id] = [c.request_id for c in children]
+        self._prompt_tokens += len(prompt_token_ids)
+
+    def _make_child(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Request:
+        child_params = params.for_child(index) if params.n > 1 else params
+        child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        # Siblings wait for completion 0's prompt so they share its blocks through the prefix cache.
+        wait = f"{request_id}#0" if index > 0 and self.config.enable_prefix_caching else None
+        req = Request(child_id, list(prompt), child_params, self.eos_token_ids, wait_for_prefill_of=wait)
+        self._completions[child_id] = _Completion(request_id, index,
+                                                  IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                         child_params))
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        for child_id in self._children.get(request_id, []):
+            if child_id in self._completions:
+                self.scheduler.finish_request(child_id, FinishReason.ABORT)
+                self._pending.append(self._final_output(child_id, FinishReason.ABORT))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._completions) or bool(self._pending)
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            self._check_idle()
+            return outputs
+        self._steps += 1
+        self._idle_checked = False
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
+            return outputs + self._fail_step(sched_out, exc)
+        return outputs + self._postprocess(sched_out, runner_out)
+
+    def _postprocess(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[StepOutput]:
+        outputs = []
+        for req in self.scheduler.update(sched_out, runner_out.sampled):
+            comp = self._completions[req.request_id]
+            token = req.output_token_ids[-1]
+            self._generation_tokens += 1
+            text, stop_str = comp.detok.add([token])
+            if stop_str is not None and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_str)
+            elif req.is_finished:
+                text += comp.detok.flush()
+            lp = runner_out.logprobs.get(req.request_id)
+            outputs.append(StepOutput(comp.parent_id, comp.index, [token], text, [lp] if lp else None,
+                                      req.finish_reason, req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+                                      num_cached_tokens=req.num_cached_tokens))
+            if req.is_finished:
+                self._forget(req.request_id)
+        return outputs
+
+    def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> list[StepOutput]:
+        outputs = []
+        for sr in sched_out.scheduled:
+            rid = sr.request.request_id
+            if rid in self._completions:
+                self.scheduler.finish_request(rid, FinishReason.ERROR)
+                out = self._final_output(rid, FinishReason.ERROR)
+                out.error = f"model step failed: {type(exc).__name__}"
+                outputs.append(out)
+        return outputs
+
+    def _final_output(self, child_id: str, reason: FinishReason) -> StepOutput:
+        comp = self._forget(child_id)
+        return StepOutput(comp.parent_id, comp.index, [], "", None, reason)
+
+    def _forget(self, child_id: str) -> _Completion:
+        comp = self._completions.pop(child_id)
+        siblings = self._children.get(comp.parent_id, [])
+        if not any(s in self._completions for s in siblings):
+            self._children.pop(comp.parent_id, None)
+        return comp
+
+    def _check_idle(self) -> None:
+        if self._completions or self._idle_checked:
+            return
+        self._idle_checked = True
+        leaked = self.scheduler.check_idle_invariant()
+        if leaked:
+            self._idle_violations += 1
+            logger.error("idle invariant violated: %d KV blocks held with no live request", leaked)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.scheduler.stats(), self._prompt_tokens, self._generation_tokens,
+                           self._idle_violations, self._steps)
