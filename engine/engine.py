@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import get_backend
+from attention import explain_backend_choice
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
@@ -74,7 +74,7 @@ class LLMEngine:
                                  self.hf_config.max_position_embeddings)
         head_dim = getattr(self.hf_config, "head_dim", None) or (
             self.hf_config.hidden_size // self.hf_config.num_attention_heads)
-        self.backend, self.backend_reason = get_backend(config.attention_backend, self.device, head_dim,
+        self.backend, self.backend_reason = explain_backend_choice(config.attention_backend, self.device, head_dim,
                                                         config.block_size)
         self.backend_name = self.backend.name
         model = load_model(path, self.hf_config, self.dtype, self.device, self.backend)
