@@ -1,0 +1,140 @@
+"""AttentionMetadataBuilder: one step's AttentionMetadata, a pure function of the scheduled sequences.
+
+Everything is computed on the host with numpy, then each field becomes ONE tensor (pinned and copied
+with non_blocking=True on CUDA), so a step costs one small host-to-device copy per field.
+
+Padding (CUDA graphs replay a fixed batch shape): `pad_to_num_tokens` / `pad_to_num_seqs` append
+padded sequences after the decodes. A padded sequence is a decode that attends to one key:
+
+    context_len 0, query_len 1, seq_len 1, block_tables row all 0, slot_mapping PAD_SLOT_ID
+
+seq_len 1 (not 0) keeps every kernel safe without a special case: each query row has one valid key
+(no empty softmax, so no 0/0), and it reads slot 0 of block 0, which always exists. The padding
+token's K/V are never written, so that key is whatever block 0 holds; its output row is garbage by
+design and the caller drops it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from attention.base import PAD_SLOT_ID, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """One scheduled sequence: `context_len` tokens already cached, `query_len` new ones this step."""
+
+    context_len: int
+    query_len: int
+    block_ids: Sequence[int]  # the sequence's physical blocks in order; at least ceil(seq_len / block_size)
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.query_len
+
+
+def _check_order(seqs: Sequence[SeqSpec], block_size: int) -> int:
+    """Validates the batch; returns the number of prefills (query_len > 1), which must come first."""
+    num_prefills = 0
+    seen_decode = False
+    for i, s in enumerate(seqs):
+        if s.query_len < 1 or s.context_len < 0:
+            raise ValueError(f"sequence {i}: query_len must be >= 1 and context_len >= 0, got {s}")
+        if len(s.block_ids) * block_size < s.seq_len:
+            raise ValueError(f"sequence {i}: {len(s.block_ids)} blocks of {block_size} cannot hold "
+                             f"seq_len {s.seq_len}")
+        if s.query_len > 1:
+            if seen_decode:
+                raise ValueError(f"sequence {i} is a prefill after a decode: prefills must come first")
+            num_prefills += 1
+        else:
+            seen_decode = True
+    return num_prefills
+
+
+def _num_padding(num_real: int, pad_to: int | None, what: str) -> int | None:
+    if pad_to is None:
+        return None
+    if pad_to < num_real:
+        raise ValueError(f"cannot pad {num_real} {what} down to {pad_to}")
+    return pad_to - num_real
+
+
+class AttentionMetadataBuilder:
+    def __init__(self, block_size: int, device: torch.device | str) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    def build(self, seqs: Sequence[SeqSpec], pad_to_num_tokens: int | None = None,
+              pad_to_num_seqs: int | None = None, pad_to_blocks_per_seq: int | None = None) -> AttentionMetadata:
+        """`seqs`: prefills first, then decodes. Padding (see the module doc) appends padded decodes;
+        one padding token per padded sequence, so given both, the two paddings must be equal.
+        `pad_to_blocks_per_seq` widens block_tables (a CUDA graph's fixed width)."""
+        if not seqs:
+            raise ValueError("cannot build attention metadata for an empty batch")
+        num_prefills = _check_order(seqs, self.block_size)
+        num_real_tokens = sum(s.query_len for s in seqs)
+        pad_tokens = _num_padding(num_real_tokens, pad_to_num_tokens, "tokens")
+        pad_seqs = _num_padding(len(seqs), pad_to_num_seqs, "sequences")
+        if pad_tokens is not None and pad_seqs is not None and pad_tokens != pad_seqs:
+            raise ValueError(f"each padded sequence has one padding token: padding {pad_tokens} tokens "
+                             f"but {pad_seqs} sequences")
+        num_pad = pad_tokens if pad_tokens is not None else (pad_seqs or 0)
+
+        context_lens = np.array([s.context_len for s in seqs] + [0] * num_pad, dtype=np.int64)
+        query_lens = np.array([s.query_len for s in seqs] + [1] * num_pad, dtype=np.int64)
+        seq_lens = context_lens + query_lens
+        block_tables = self._block_tables(seqs, seq_lens, num_pad, pad_to_blocks_per_seq)
+        query_start_loc = np.concatenate(([0], np.cumsum(query_lens)))
+        seq_start_loc = np.concatenate(([0], np.cumsum(seq_lens)))
+        slot_mapping = self._slot_mapping(block_tables, context_lens, query_lens, query_start_loc)
+        slot_mapping[num_real_tokens:] = PAD_SLOT_ID
+
+        num_prefill_tokens = int(query_lens[:num_prefills].sum())
+        return AttentionMetadata(
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=int(query_start_loc[-1]) - num_prefill_tokens,
+            slot_mapping=self._to_device(slot_mapping, torch.int64),
+            block_tables=self._to_device(block_tables, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            seq_start_loc=self._to_device(seq_start_loc, torch.int32),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+
+    def _block_tables(self, seqs: Sequence[SeqSpec], seq_lens: np.ndarray, num_pad: int,
+                      pad_to_blocks_per_seq: int | None) -> np.ndarray:
+        # [num_seqs, width] int32, rows zero-padded; only the blocks a sequence needs are listed.
+        needed = [-(-int(n) // self.block_size) for n in seq_lens[:len(seqs)]]
+        width = max(needed)
+        if pad_to_blocks_per_seq is not None:
+            if pad_to_blocks_per_seq < width:
+                raise ValueError(f"a sequence needs {width} blocks, more than pad_to_blocks_per_seq="
+                                 f"{pad_to_blocks_per_seq}")
+            width = pad_to_blocks_per_seq
+        table = np.zeros((len(seqs) + num_pad, width), dtype=np.int32)
+        for i, (s, n) in enumerate(zip(seqs, needed)):
+            table[i, :n] = s.block_ids[:n]
+        return table
+
+    def _slot_mapping(self, block_tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
+                      query_start_loc: np.ndarray) -> np.ndarray:
+        # Every token at once: its sequence, its absolute position, then block * block_size + offset.
+        seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)  # [num_tokens]
+        positions = (np.arange(len(seq_of_token)) - query_start_loc[seq_of_token]
+                     + context_lens[seq_of_token])
+        blocks = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
+        return blocks * self.block_size + positions % self.block_size
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.tensor(array, dtype=dtype, device=self.device)
+        pinned = torch.tensor(array, dtype=dtype, pin_memory=True)
+        return pinned.to(self.device, non_blocking=True)
