@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
+from engine.cuda_graphs import CudaGraphDecoder
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
@@ -56,7 +57,8 @@ def prepare_inputs(out: SchedulerOutput) -> StepInputs:
 
 class ModelRunner:
     def __init__(self, model, hf_config, backend, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int, block_size: int) -> None:
+                 num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                 use_cuda_graphs: bool) -> None:
         self.model = model
         self.backend = backend
         self.device = device
@@ -65,6 +67,12 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(hf_config, dtype)
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
+        self.graphs = None
+        if use_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = CudaGraphDecoder(model, self.kv_caches, self.builder, min(max_num_seqs, 512), max_blocks,
+                                           device)
+            self.graphs.capture()
 
     def _allocate_kv(self, hf_config, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -83,10 +91,13 @@ class ModelRunner:
         for rid in out.finished_ids:
             self.sampler.free(rid)
         inputs = prepare_inputs(out)
-        meta = self.builder.build(inputs.seqs)
         input_ids = self._to_device(inputs.input_ids)  # [num_tokens]
         positions = self._to_device(inputs.positions)  # [num_tokens]
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        if self.graphs is not None and self.graphs.can_run(inputs.seqs):
+            hidden = self.graphs.run(input_ids, positions, inputs.seqs)  # [num_tokens, hidden]
+        else:
+            meta = self.builder.build(inputs.seqs)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         if not inputs.sample_requests:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[self._to_device(inputs.sample_indices)])  # [n, vocab]
