@@ -1,0 +1,246 @@
+"""Llama / Mistral / Qwen2 / Qwen3 over a paged KV cache, gpt-fast style: one file, top to bottom.
+
+A step is one flat batch of tokens (prefills first, then decodes, as attention/base.py lays out).
+Every token carries its own absolute position, so RoPE is a gather from a precomputed cos/sin table
+and the whole forward has no host syncs and no branching on tensor values (CUDA-graph friendly;
+the attention backend decides for itself whether it is).
+
+Numerics follow Hugging Face: RMSNorm in float32, inv_freq in float32, rotate-half RoPE applied in
+the model dtype, logits in the model dtype then cast to float32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.base import AttentionBackend, AttentionMetadata
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What the modules need from a Hugging Face config; architecture quirks are resolved here only."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: dict
+    qkv_bias: bool  # Qwen2 always; Llama / Qwen3 with attention_bias
+    o_bias: bool  # attention_bias of Llama / Qwen3 also covers o_proj; Qwen2's o_proj has none
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ModelArgs":
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; supported: {MODEL_TYPES}")
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        num_heads = cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope=rope_parameters(cfg),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        )
+
+
+def rope_parameters(cfg) -> dict:
+    """RoPE settings as transformers 5 writes them (`rope_parameters`), else from the legacy
+    `rope_theta` / `rope_scaling` attributes. Returns a dict with at least rope_type and rope_theta."""
+    params = getattr(cfg, "rope_parameters", None)
+    if not params:
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    params = dict(params)
+    # Old configs spell the type "type".
+    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    if params["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"RoPE type {params['rope_type']!r} is not implemented; supported: {ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not implemented")
+    return params
+
+
+def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, scaled as the rope type says."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope["rope_theta"] ** exponents)
+    if rope["rope_type"] == "linear":
+        return inv_freq / rope["factor"]
+    if rope["rope_type"] == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths slowed down by `factor`, short ones kept, a linear blend in between.
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """A [max_positions, head_dim] table of (cos | sin), gathered by position each step."""
+
+    def __init__(self, rope: dict, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
+        self.register_buffer("cos_sin_cache", self._table(), persistent=False)
+
+    def _table(self) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.rope, self.head_dim)  # [head_dim // 2]
+        positions = torch.arange(self.max_positions, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2], as HF: one fp32 product
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def reset_cache(self) -> None:
+        """Refill the table in place; needed after `to_empty()` (the loader builds on the meta device)."""
+        with torch.no_grad():
+            self.cos_sin_cache.copy_(self._table())
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q [T, H, D], k [T, KVH, D]; cos, sin [T, 1, D / 2] in the activations' dtype.
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # HF's x * cos + rotate_half(x) * sin, written per half.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the input dtype: HF's order, so bf16 results match bit for bit.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MergedLinear(nn.Linear):
+    """Several HF projections stacked along the output rows (q|k|v, gate|up): one matmul instead of
+    several. The loader copies HF's projection i into rows shard_slice(i)."""
+
+    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+        self._offsets = tuple(accumulate(shard_sizes, initial=0))
+
+    def shard_slice(self, shard_id: int) -> slice:
+        return slice(self._offsets[shard_id], self._offsets[shard_id + 1])
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = MergedLinear(args.hidden_size, (q_size, kv_size, kv_size), bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.attn = backend.impl_cls(args.num_heads, args.head_dim, args.head_dim ** -0.5, args.num_kv_heads)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.attn.forward(q, k, v, key_cache, value_cache, meta)  # [T, H, D]
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        inter = args.intermediate_size
+        self.gate_up_proj = MergedLinear(args.hidden_size, (inter, inter), bias=args.mlp_bias)
+        self.down_proj = nn.Linear(inter, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, backend)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, key_cache, value_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Parameter names are HF's without the `model.` prefix, except the merged qkv_proj / gate_up_proj."""
+
+    def __init__(self, hf_config, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        args = ModelArgs.from_hf(hf_config)
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.rotary_emb = RotaryEmbedding(args.rope, args.head_dim, args.max_position_embeddings)
+        self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Tied: the logits reuse embed_tokens.weight, so no lm_head parameter exists to untie by accident.
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, positions, self.rotary_emb, key_cache, value_cache, meta)
+        return self.norm(h)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()  # [n, vocab]
