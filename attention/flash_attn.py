@@ -1,0 +1,101 @@
+"""Two flash-attn backends behind the same interface; each imports its package only when used.
+
+- "flash-attn": the flash-attn 2.x API, as the seed calls it: `flash_attn_varlen_func(..., block_table=)`
+  for the prefill part (fresh prompts and chunks over cached context alike) and
+  `flash_attn_with_kvcache` for the decodes. Upstream 2.x takes paged KV only with a block size that
+  is a multiple of 256.
+- "flash-attn-4": `flash_attn.cute.flash_attn_varlen_func` with page_table / seqused_k: ONE call for
+  the whole mixed batch, any block size (Hopper and Blackwell).
+
+New K/V go in with our Triton write kernel when triton is installed, else with index_copy_.
+"""
+from __future__ import annotations
+
+import torch
+
+from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+
+
+def _write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    try:
+        from attention.triton_paged import write_kv_triton as write
+    except ImportError:
+        from attention.torch_ref import write_kv_torch as write
+    write(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _check_cuda(name: str, device: torch.device) -> None:
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device, not {device}")
+
+
+class FlashAttnImpl(AttentionImpl):
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        _write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        p, n = meta.num_prefill_tokens, meta.num_prefills
+        if n:
+            out[:p] = flash_attn_varlen_func(
+                q=query[:p], k=key_cache, v=value_cache,
+                cu_seqlens_q=meta.query_start_loc[:n + 1], max_seqlen_q=meta.max_query_len,
+                cu_seqlens_k=meta.seq_start_loc[:n + 1], max_seqlen_k=meta.max_seq_len,
+                softmax_scale=self.scale, causal=True, block_table=meta.block_tables[:n])
+        if meta.num_decode_tokens:
+            out[p:] = flash_attn_with_kvcache(
+                query[p:].unsqueeze(1), key_cache, value_cache,  # [num_decodes, 1, num_heads, head_dim]
+                cache_seqlens=meta.seq_lens[n:], block_table=meta.block_tables[n:],
+                softmax_scale=self.scale, causal=True).squeeze(1)
+        return out
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash-attn"
+    impl_cls = FlashAttnImpl
+    supports_cuda_graphs = False  # the prefill call takes host ints; decode-only would be fine, unverified
+
+    @classmethod
+    def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:
+        super().check_config(head_dim, block_size, device)
+        _check_cuda(cls.name, device)
+        if block_size % 256 != 0:
+            raise ValueError(f"attention backend 'flash-attn' (flash-attn 2.x) needs block_size to be a "
+                             f"multiple of 256 for a paged KV cache, not {block_size}")
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"attention backend 'flash-attn' needs the flash-attn 2.x package: {e}") from e
+
+
+class FlashAttn4Impl(AttentionImpl):
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        _write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        # max_seqlen_k stays unset: the kernel then bounds keys by the block-table width, a shape,
+        # so nothing here depends on this step's lengths beyond max_query_len (1 for decode graphs).
+        # num_splits=0: its own split-KV heuristic, from those same host-side bounds.
+        out, _ = flash_attn_varlen_func(
+            query, key_cache, value_cache, cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
+            seqused_k=meta.seq_lens, page_table=meta.block_tables, softmax_scale=self.scale, causal=True,
+            num_splits=0)
+        return out  # [num_tokens, num_heads, head_dim]
+
+
+class FlashAttn4Backend(AttentionBackend):
+    name = "flash-attn-4"
+    impl_cls = FlashAttn4Impl
+    supports_cuda_graphs = False  # not verified under capture
+
+    @classmethod
+    def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:
+        super().check_config(head_dim, block_size, device)
+        _check_cuda(cls.name, device)
+        major = torch.cuda.get_device_capability(device)[0]
+        if major < 9:
+            raise ValueError(f"attention backend 'flash-attn-4' needs a Hopper or newer GPU (sm90+), not sm{major}x")
+        try:
+            from flash_attn.cute import flash_attn_varlen_func  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"attention backend 'flash-attn-4' needs the flash-attn-4 package: {e}") from e

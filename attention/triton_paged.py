@@ -1,0 +1,249 @@
+"""Our own Triton paged attention: one launch for a mixed batch of prefill chunks and decodes.
+
+Work split. A program owns BLOCK_Q query tokens of ONE sequence times the GROUP query heads of one
+kv head (GQA packing: its BLOCK_M = BLOCK_Q * GROUP rows share every K/V tile it loads), and walks
+the sequence's keys in BLOCK_N tiles, gathering each key's page through the block table, with an
+online softmax in float32. Query blocks are numbered per sequence without host help: sequence i's
+first block is query_start_loc[i] // BLOCK_Q + i, so num_tokens // BLOCK_Q + num_seqs programs cover
+any batch (a few find no tokens and exit) and each finds its sequence by binary search.
+
+Split-KV (flash-decoding): when that grid is too small to fill the GPU (few sequences, long keys),
+a third grid axis splits each sequence's keys into NUM_SPLITS ranges; each writes a normalized partial
+output and its log-sum-exp, and a second kernel merges them.
+
+Nothing is read on the host: grids depend only on tensor shapes and on meta.num_prefills (0 for the
+decode-only batches a CUDA graph replays), so the backend is CUDA-graph safe.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per token: its [kv_heads, head_dim] K and V row -> cache slot (nothing for PAD_SLOT_ID).
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    i = tl.arange(0, BLOCK)
+    h = i // HEAD_DIM
+    d = i % HEAD_DIM
+    mask = (i < NUM_KV_HEADS * HEAD_DIM) & (slot >= 0)
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    dst = slot.to(tl.int64) * (NUM_KV_HEADS * HEAD_DIM) + i
+    tl.store(key_cache_ptr + dst, k, mask=mask)
+    tl.store(value_cache_ptr + dst, v, mask=mask)
+
+
+def write_kv_triton(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """key/value [num_tokens, kv_heads, dim] (last dim contiguous) -> contiguous paged caches."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert key.stride(-1) == 1 and value.stride(-1) == 1
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(num_kv_heads * head_dim))
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    # The last sequence whose first query block (query_start_loc[i] // BLOCK_Q + i) is <= pid.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        next_first_block = tl.load(query_start_loc_ptr + mid + 1) // BLOCK_Q + mid + 1
+        if next_first_block <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:  # a spare program: its sequence has fewer blocks
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP  # query index within the sequence
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows // GROUP < BLOCK_Q) & (q_idx < q_len)
+    q_pos = context_len + q_idx  # absolute position: sees keys 0 .. q_pos
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
+
+    kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # past the block's last visible key
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_end, kv_lo + per_split)
+
+    # Finite start so a row that sees nothing in a tile gives exp2(-inf - m) = 0, never NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_hi
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks + kv_head * stride_kh)[None, :]
+                    + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_P, BLOCK_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None]
+                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_P]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    token = (q_start + q_idx).to(tl.int64)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M] into [T, H, S]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+    # One program per (token, head): weight each split's output by exp2(lse_split - max lse).
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    base = (t * NUM_HEADS + h) * NUM_SPLITS
+    splits = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    lse = tl.load(part_lse_ptr + base + splits)  # [S]; split 0 always holds key 0, so max is finite
+    w = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM_P + offs_d[None, :])  # [S, HEAD_DIM_P]
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def _tiles(head_dim_p: int, group: int, decode_only: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): short row tiles for decodes, taller ones when prefills are in."""
+    block_m = 16 if decode_only else (128 if head_dim_p <= 64 else 64)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_n = 64 if head_dim_p <= 128 else 32
+    return block_m, block_n, 8 if block_m >= 128 else 4
+
+
+def _num_splits(num_programs: int, max_keys: int, sm_count: int) -> int:
+    """Splits per sequence so about two waves of programs run; a power of two, 1 when the grid is full."""
+    if num_programs >= sm_count:
+        return 1
+    want = min(-(-2 * sm_count // num_programs), max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
+    return 1 << int(math.log2(want)) if want > 1 else 1
+
+
+def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, sm_count: int,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """query [num_tokens, num_heads, dim] -> [num_tokens, num_heads, dim]. `num_splits` None: chosen from
+    shapes (see _num_splits); tests force it to exercise both paths."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    head_dim_p = triton.next_power_of_2(head_dim)
+    block_m, block_n, num_warps = _tiles(head_dim_p, group, decode_only=meta.num_prefills == 0)
+    block_q = block_m // group
+    grid_q = num_tokens // block_q + meta.num_seqs
+    if num_splits is None:
+        num_splits = _num_splits(grid_q * num_kv_heads, meta.block_tables.shape[1] * page_size, sm_count)
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    part_out = part_lse = out  # unused placeholders when not splitting
+    if num_splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, head_dim_p), dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    _paged_attention_kernel[(grid_q, num_kv_heads, num_splits)](
+        out, part_out, part_lse, query, key_cache, value_cache,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_seqs, scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        # float32 caches (rare on GPU) keep full precision; tf32 would cost ~1e-3 relative error.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=2)
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_lse, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
+    return out
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__(num_heads, head_dim, scale, num_kv_heads)
+        self._sm_count: int | None = None  # read once, on the first forward (the device is known then)
+
+    def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
+        if self._sm_count is None:
+            self._sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count
+        return paged_attention_triton(query, key_cache, value_cache, meta, self.scale, self._sm_count)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    impl_cls = TritonAttentionImpl
+    supports_cuda_graphs = True
+
+    @classmethod
+    def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:
+        super().check_config(head_dim, block_size, device)
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"attention backend 'triton' needs a CUDA device, not {device}")
+        if block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"attention backend 'triton' needs a power-of-two block_size >= 16, not {block_size}")

@@ -1,0 +1,152 @@
+"""Attention kernel micro-benchmark: every installed backend on a few paged batches (one layer's call:
+K/V write + attention), bfloat16, CUDA only.
+
+    python benchmarks/attention_kernels.py --out results.json [--iters 50]
+
+Per backend and workload it reports
+  eager_us  wall time per call, calls back to back (host overhead included when it dominates),
+  graph_us  per call from a CUDA graph of 10 calls (GPU time alone; n/a when capture fails),
+  GB/s      K/V bytes the batch must read / graph_us (or eager_us), for the decode workloads.
+Shapes: Qwen2.5-0.5B attention (14 heads, 2 kv heads, head dim 64) and a head-dim-128 one
+(32 heads, 8 kv heads, as Llama-3-8B). The table's order guides attention.CUDA_AUTO_ORDER.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import time
+
+import torch
+
+from attention import BACKEND_NAMES, get_backend
+from attention.testing import make_random_batch
+
+SHAPES = {"qwen2.5-0.5b (14/2 x 64)": (14, 2, 64), "llama-8b-like (32/8 x 128)": (32, 8, 128)}
+
+
+def workloads(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
+    """(context_len, query_len) per sequence, prefills first."""
+    decode = [(rng.randint(500, 700), 1) for _ in range(256)]
+    mixed = [(0, 512), (0, 300), (1024, 512), (600, 256)] + [(rng.randint(300, 900), 1) for _ in range(128)]
+    long_decode = [(rng.randint(7000, 9000), 1) for _ in range(8)]
+    return {"decode 256 x ~600": decode, "mixed 4 prefills + 128 decodes": mixed, "decode 8 x ~8k": long_decode}
+
+
+def _eager_us(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def _graph_us(fn, iters: int) -> float | None:
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                fn()
+    except Exception:  # backends that read the host or allocate outside the pool cannot be captured
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * 10)
+
+
+def bench_backend(backend, batch, heads: tuple[int, int, int], iters: int) -> dict:
+    num_heads, num_kv_heads, head_dim = heads
+    impl = backend.impl_cls(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+    args = (batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta)
+
+    def call():
+        return impl.forward(*args)
+
+    eager_us = _eager_us(call, iters)  # first: JIT compiles happen here, outside any capture
+    # The reference syncs on the host every call: a capture attempt would only fail.
+    return {"eager_us": eager_us, "graph_us": _graph_us(call, iters) if backend.name != "torch" else None}
+
+
+def bench_triton_without_split(batch, heads: tuple[int, int, int], iters: int) -> dict:
+    """Our kernel with split-KV forced off: what the split buys on few long sequences."""
+    from attention.triton_paged import paged_attention_triton, write_kv_triton
+
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def call():
+        write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+        return paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta,
+                                      heads[2] ** -0.5, sm_count, num_splits=1)
+
+    eager_us = _eager_us(call, iters)
+    return {"eager_us": eager_us, "graph_us": _graph_us(call, iters)}
+
+
+def kv_bytes(batch, heads: tuple[int, int, int]) -> int:
+    _, num_kv_heads, head_dim = heads
+    return int(batch.meta.seq_lens.sum()) * num_kv_heads * head_dim * 2 * batch.key_cache.element_size()
+
+
+def run(iters: int) -> list[dict]:
+    rows = []
+    for shape_name, heads in SHAPES.items():
+        for work_name, lens in workloads(random.Random(0)).items():
+            batch = make_random_batch(lens, *heads, 16, torch.bfloat16, "cuda", seed=1)
+            for name in BACKEND_NAMES:
+                try:
+                    backend = get_backend(name, torch.device("cuda"), heads[2], 16)
+                except ValueError as e:
+                    rows.append({"shape": shape_name, "workload": work_name, "backend": name, "skipped": str(e)})
+                    continue
+                variants = [(name, lambda: bench_backend(backend, batch, heads, iters))]
+                if name == "triton":
+                    variants.append(("triton (split-KV off)", lambda: bench_triton_without_split(batch, heads, iters)))
+                for label, bench in variants:
+                    row = {"shape": shape_name, "workload": work_name, "backend": label, **bench()}
+                    best = row["graph_us"] or row["eager_us"]
+                    row["gb_per_s"] = kv_bytes(batch, heads) / best / 1e3 if work_name.startswith("decode") else None
+                    rows.append(row)
+                    print(_format_row(row), flush=True)
+    return rows
+
+
+def _format_row(row: dict) -> str:
+    if "skipped" in row:
+        return f"| {row['shape']} | {row['workload']} | {row['backend']} | skipped | | |"
+    graph = f"{row['graph_us']:.1f}" if row["graph_us"] is not None else "n/a"
+    gbs = f"{row['gb_per_s']:.0f}" if row["gb_per_s"] is not None else ""
+    return f"| {row['shape']} | {row['workload']} | {row['backend']} | {row['eager_us']:.1f} | {graph} | {gbs} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rows = run(args.iters)
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+    print(f"\n{env}\n| shape | workload | backend | eager us/call | graph us/call | KV GB/s |\n|---|---|---|---|---|---|")
+    for row in rows:
+        print(_format_row(row))
+
+
+if __name__ == "__main__":
+    main()

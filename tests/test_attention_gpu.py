@@ -1,0 +1,153 @@
+"""Every GPU attention backend against the torch reference, in bfloat16 (skipped without CUDA).
+
+Each backend is skipped when its package is missing or it refuses the configuration (flash-attn 2.x
+takes only block sizes that are multiples of 256).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from attention import get_backend
+from attention.base import PAD_SLOT_ID
+from attention.testing import make_random_batch, random_mixed_lens
+from attention.torch_ref import TorchAttentionImpl
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BACKENDS = ["triton", "flash-attn", "flash-attn-4"]
+NUM_KV_HEADS = 2
+# (block_size, GQA group, head_dim): every block size, group and head dim appears, without the full product.
+CONFIGS = [(16, 1, 64), (16, 7, 128), (64, 2, 128), (64, 8, 64), (128, 7, 64), (128, 1, 128),
+           (256, 8, 128), (256, 2, 64)]
+
+
+def _backend_or_skip(name: str, head_dim: int, block_size: int):
+    try:
+        return get_backend(name, torch.device("cuda"), head_dim, block_size)
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+def _impls(backend, group: int, head_dim: int):
+    args = (group * NUM_KV_HEADS, head_dim, head_dim ** -0.5, NUM_KV_HEADS)
+    return backend.impl_cls(*args), TorchAttentionImpl(*args)
+
+
+def _run_both(backend, batch, group: int, head_dim: int):
+    """(backend output, reference output, backend caches, reference caches) on copies of one batch."""
+    impl, ref_impl = _impls(backend, group, head_dim)
+    caches = batch.key_cache.clone(), batch.value_cache.clone()
+    ref_caches = batch.key_cache.clone(), batch.value_cache.clone()
+    out = impl.forward(batch.query, batch.key, batch.value, *caches, batch.meta)
+    ref = ref_impl.forward(batch.query, batch.key, batch.value, *ref_caches, batch.meta)
+    return out, ref, caches, ref_caches
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _num_real(batch) -> int:
+    return int((batch.meta.slot_mapping != PAD_SLOT_ID).sum())
+
+
+@pytest.mark.parametrize("block_size, group, head_dim", CONFIGS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_mixed_batch_matches_reference(name, block_size, group, head_dim):
+    backend = _backend_or_skip(name, head_dim, block_size)
+    rng = random.Random(block_size * 100 + group * 10 + head_dim)
+    # Decodes, fresh prefills and chunks over cached context, in one batch.
+    lens = random_mixed_lens(rng, num_prefills=4, num_decodes=9, max_len=700)
+    batch = make_random_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, head_dim, block_size, torch.bfloat16,
+                              "cuda", seed=rng.randrange(1 << 30))
+    out, ref, caches, ref_caches = _run_both(backend, batch, group, head_dim)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert _rel_err(out, ref) < 1e-2
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+@pytest.mark.parametrize("block_size, group, head_dim", CONFIGS[::2])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_padded_decode_batch_matches_reference(name, block_size, group, head_dim):
+    """The CUDA-graph shape: decodes only, padded with one-token sequences; long and short contexts."""
+    backend = _backend_or_skip(name, head_dim, block_size)
+    lens = [(1, 1), (0, 1), (2500, 1), (block_size - 1, 1), (block_size, 1), (333, 1)]
+    batch = make_random_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, head_dim, block_size, torch.bfloat16,
+                              "cuda", seed=block_size + group, pad_to_num_tokens=8)
+    out, ref, caches, ref_caches = _run_both(backend, batch, group, head_dim)
+    n = _num_real(batch)
+    assert _rel_err(out[:n], ref[:n]) < 1e-2
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_split_kv_matches_reference(num_splits, head_dim):
+    _backend_or_skip("triton", head_dim, 16)
+    from attention.triton_paged import paged_attention_triton, write_kv_triton
+
+    lens = random_mixed_lens(random.Random(num_splits), num_prefills=2, num_decodes=5, max_len=3000)
+    batch = make_random_batch(lens, 14, NUM_KV_HEADS, head_dim, 16, torch.bfloat16, "cuda", seed=num_splits)
+    ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
+        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
+    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, head_dim ** -0.5,
+                                 sm_count=132, num_splits=num_splits)
+    assert _rel_err(out, ref) < 1e-2
+
+
+def test_triton_kv_write_matches_index_copy():
+    _backend_or_skip("triton", 128, 16)
+    from attention.triton_paged import write_kv_triton
+
+    num_tokens, kv_heads, head_dim, num_slots = 300, 8, 128, 64 * 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(num_tokens, 3 * kv_heads * head_dim, device="cuda", generator=gen).bfloat16()
+    # Strided views, as a fused qkv projection hands them over.
+    key = qkv[:, :kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
+    value = qkv[:, kv_heads * head_dim:2 * kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_slots, device="cuda", generator=gen)[:num_tokens]
+    slots[::7] = PAD_SLOT_ID
+    caches = [torch.randn(num_slots // 16, 16, kv_heads, head_dim, device="cuda", generator=gen).bfloat16()
+              for _ in range(2)]
+    expected = [c.clone().view(-1, kv_heads, head_dim) for c in caches]
+    keep = slots != PAD_SLOT_ID
+    expected[0].index_copy_(0, slots[keep], key[keep])
+    expected[1].index_copy_(0, slots[keep], value[keep])
+    write_kv_triton(key, value, caches[0], caches[1], slots)
+    assert torch.equal(caches[0].view(-1, kv_heads, head_dim), expected[0])
+    assert torch.equal(caches[1].view(-1, kv_heads, head_dim), expected[1])
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_cuda_graph_replay_with_new_metadata(name):
+    """Backends that claim CUDA-graph support: capture one padded decode batch, replay another."""
+    backend = _backend_or_skip(name, 64, 16)
+    if not backend.supports_cuda_graphs:
+        pytest.skip(f"{name} does not claim CUDA-graph support")
+    group, head_dim = 7, 64
+
+    def batch(seed: int, lens):
+        return make_random_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, head_dim, 16, torch.bfloat16, "cuda",
+                                 seed=seed, pad_to_num_tokens=8, num_blocks=400, pad_to_blocks_per_seq=128)
+
+    static = batch(1, [(5, 1), (40, 1), (900, 1), (0, 1), (17, 1)])
+    fresh = batch(2, [(1500, 1), (3, 1), (64, 1), (200, 1), (1, 1), (2000, 1)])
+    impl, ref_impl = _impls(backend, group, head_dim)
+    args = (static.query, static.key, static.value, static.key_cache, static.value_cache, static.meta)
+    impl.forward(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = impl.forward(*args)
+    for field in ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc", "seq_start_loc"):
+        getattr(static.meta, field).copy_(getattr(fresh.meta, field))
+    for attr in ("query", "key", "value", "key_cache", "value_cache"):
+        getattr(static, attr).copy_(getattr(fresh, attr))
+    graph.replay()
+    ref = ref_impl.forward(fresh.query, fresh.key, fresh.value, fresh.key_cache, fresh.value_cache, fresh.meta)
+    n = _num_real(fresh)
+    assert _rel_err(out[:n], ref[:n]) < 1e-2
+    assert torch.equal(static.key_cache, fresh.key_cache) and torch.equal(static.value_cache, fresh.value_cache)
