@@ -56,7 +56,7 @@ class Sampler:
         if len(random_rows) == len(params):
             return self._sample(logits, requests)
         tokens = logits.argmax(dim=-1)
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = to_device(random_rows, logits.device)
         tokens[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
         return tokens
 
@@ -87,6 +87,14 @@ class Sampler:
             gen.manual_seed(request.sampling_params.seed)
             self._generators[request.request_id] = gen
         return gen
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values -> a tensor on `device`, through pinned memory so the copy does not wait for the GPU."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # ----------------------------------------------------------------------------- logits processing
@@ -121,8 +129,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[int], params: list[Samplin
         return
     r, t, b = zip(*pairs)
     dev = logits.device
-    logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-                      torch.tensor(b, dtype=logits.dtype, device=dev), accumulate=True)
+    logits.index_put_((to_device(r, dev), to_device(t, dev)), to_device(b, dev, logits.dtype), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
@@ -135,7 +142,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[int], requests: list[Reque
         pairs.extend((i, t) for t in banned if 0 <= t < vocab)
     if pairs:
         r, t = zip(*pairs)
-        logits[torch.tensor(r, device=logits.device), torch.tensor(t, device=logits.device)] = float("-inf")
+        logits[to_device(r, logits.device), to_device(t, logits.device)] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
@@ -143,16 +150,16 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], requests: list[Reques
     frequency and presence penalties (OpenAI: over output tokens, subtract count * f + (count > 0) * p)."""
     dev, vocab = logits.device, logits.shape[1]
     sub = [requests[i] for i in rows]
-    rows_t = torch.tensor(rows, device=dev)
+    rows_t = to_device(rows, dev)
     x = logits[rows_t]  # [m, vocab]
     out_counts = token_counts([r.output_token_ids for r in sub], vocab, dev)  # [m, vocab]
     if any(r.sampling_params.repetition_penalty != 1.0 for r in sub):
-        rep = torch.tensor([r.sampling_params.repetition_penalty for r in sub], device=dev).unsqueeze(1)
+        rep = to_device([r.sampling_params.repetition_penalty for r in sub], dev).unsqueeze(1)
         seen = token_counts([r.prompt_token_ids for r in sub], vocab, dev) + out_counts > 0
         penalized = torch.where(x > 0, x / rep, x * rep)
         x = torch.where(seen, penalized, x)
-    freq = torch.tensor([r.sampling_params.frequency_penalty for r in sub], device=dev).unsqueeze(1)
-    pres = torch.tensor([r.sampling_params.presence_penalty for r in sub], device=dev).unsqueeze(1)
+    freq = to_device([r.sampling_params.frequency_penalty for r in sub], dev).unsqueeze(1)
+    pres = to_device([r.sampling_params.presence_penalty for r in sub], dev).unsqueeze(1)
     x = x - freq * out_counts - pres * (out_counts > 0).to(x.dtype)
     logits[rows_t] = x
 
@@ -165,7 +172,7 @@ def token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> tor
     for i, s in enumerate(seqs):
         if s:
             ids[i, :len(s)] = torch.tensor(s, dtype=torch.int64)
-    ids = ids.clamp_(0, vocab).to(device)
+    ids = to_device(ids.clamp_(0, vocab), device)
     counts = torch.zeros(len(seqs), vocab + 1, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab]
@@ -179,17 +186,17 @@ def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     dev, vocab = logits.device, logits.shape[1]
     # A tiny temperature would overflow the division; below this it is greedy in all but name anyway.
     temps = [max(p.temperature, MIN_TEMPERATURE) for p in params]
-    temp = torch.tensor(temps, device=dev, dtype=logits.dtype).unsqueeze(1)
+    temp = to_device(temps, dev, logits.dtype).unsqueeze(1)
     logits = logits / temp
     use_k = any(0 < p.top_k < vocab for p in params)
     use_p = any(p.top_p < 1.0 for p in params)
     if use_k or use_p:
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+        k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dev)
         # inf, not 1.0: float rounding must not let a cumulative sum reach 1 and cut a top_p=1 row's tail.
-        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=dev)
+        top_p = to_device([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dev)
         logits = top_k_top_p(logits, k if use_k else None, top_p if use_p else None)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+        min_p = to_device([p.min_p for p in params], dev, logits.dtype)
         logits = apply_min_p(logits, min_p)
     return logits
 
@@ -224,7 +231,7 @@ def gather_logprobs(token_lp: torch.Tensor, tokens: torch.Tensor, params: list[S
     """token_lp [n, vocab] log-probs, tokens [n] -> (the tokens as a list, one TokenLogprob per row that
     asked: the chosen token's logprob and the top-k best first). A single device -> host transfer."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    rows_t = torch.tensor(rows, device=token_lp.device)
+    rows_t = to_device(rows, token_lp.device)
     lp = token_lp[rows_t]  # [r, vocab]
     chosen = lp.gather(1, tokens[rows_t].unsqueeze(1))  # [r, 1]
     max_k = max(params[i].logprobs for i in rows)
