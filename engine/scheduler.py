@@ -186,6 +186,7 @@ class Scheduler:
                 break  # first come, first served: nobody overtakes a request short of blocks
             self.waiting.popleft()
             scheduled.append(sr)
+            step_tokens[request.request_id] = sr.num_new_tokens
             budget -= sr.num_new_tokens
         self.waiting.extendleft(reversed(skipped))
         return budget
