@@ -25,6 +25,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     seed: int = 0
+    skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks on random-weight models)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -35,7 +35,7 @@ class _Completion:
     """Engine-side state of one of a request's n completions."""
     parent_id: str
     index: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: no text wanted (detokenize=False or no tokenizer)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -55,7 +55,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def eos_ids(hf_config, tokenizer) -> frozenset[int]:
     ids = getattr(hf_config, "eos_token_id", None)
     ids = ids if isinstance(ids, list) else [ids]
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return frozenset(i for i in ids if i is not None)
 
@@ -67,7 +67,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(path)
-        self.tokenizer = load_tokenizer(config.tokenizer or path)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or path)
         self.eos_token_ids = eos_ids(self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = min(config.max_model_len or self.hf_config.max_position_embeddings,
@@ -138,9 +138,10 @@ class LLMEngine:
         # Siblings wait for completion 0's prompt so they share its blocks through the prefix cache.
         wait = f"{request_id}#0" if index > 0 and self.config.enable_prefix_caching else None
         req = Request(child_id, list(prompt), child_params, self.eos_token_ids, wait_for_prefill_of=wait)
-        self._completions[child_id] = _Completion(request_id, index,
-                                                  IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                         child_params))
+        detok = None
+        if self.tokenizer is not None and params.detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, child_params)
+        self._completions[child_id] = _Completion(request_id, index, detok)
         return req
 
     def abort_request(self, request_id: str) -> None:
@@ -174,10 +175,12 @@ class LLMEngine:
             comp = self._completions[req.request_id]
             token = req.output_token_ids[-1]
             self._generation_tokens += 1
-            text, stop_str = comp.detok.add([token])
+            text, stop_str = comp.detok.add([token]) if comp.detok else ("", None)
             if stop_str is not None and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, FinishReason.STOP, stop_str)
-            elif req.is_finished:
+            elif stop_str is not None:  # the stop string came with the last allowed token: it wins
+                req.finish_reason, req.stop_reason = FinishReason.STOP, stop_str
+            elif req.is_finished and comp.detok:
                 text += comp.detok.flush()
             lp = runner_out.logprobs.get(req.request_id)
             outputs.append(StepOutput(comp.parent_id, comp.index, [token], text, [lp] if lp else None,

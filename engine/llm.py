@@ -39,6 +39,8 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
         rid = str(self._next_id)
         self._next_id += 1
+        if isinstance(prompt, str) and self.engine.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (the engine was built with skip_tokenizer_init)")
         token_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.engine.add_request(rid, token_ids, params)
         outputs = [CompletionOutput(i, "", [], None, logprobs=[] if params.logprobs is not None else None)

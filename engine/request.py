@@ -48,6 +48,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (benchmarks; vLLM's option of the same name)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
