@@ -1,0 +1,4 @@
+"""`python -m server ...` is `kvserve ...`."""
+from server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,320 @@
+"""create_app(async_engine, settings): the FastAPI app, its routes, errors, auth, limits and metrics.
+
+Bodies are parsed here, not by FastAPI: strict UTF-8, strict JSON (no NaN / Infinity), an object at the
+top, then a strict pydantic model. The OpenAPI schema still declares each body and every error response.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from server import __version__
+from server.async_engine import AsyncEngine
+from server.errors import APIError, from_validation_errors, install_handlers
+from server.metrics import CONTENT_TYPE
+from server.middleware import APIKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
+from server import protocol as P
+from server import serving
+from server.settings import ServerSettings
+
+logger = logging.getLogger("kvserve.server")
+
+_ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 500, 503)}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+class SSEResponse(StreamingResponse):
+    """Closes its generator however the response ends, so an abandoned stream aborts its request at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def create_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="kvserve", version=__version__, lifespan=_lifespan(async_engine, settings),
+                  docs_url="/docs", redoc_url=None)
+    app.state.engine = async_engine
+    app.state.settings = settings
+    app.state.ctx = None  # ServingContext, built once the model is loaded
+    install_handlers(app)
+    _add_routes(app, async_engine)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-API-Key"])
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _lifespan(async_engine: AsyncEngine, settings: ServerSettings):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
+        app.state.executor = executor
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.stop(timeout=max(settings.shutdown_timeout, 5.0))
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    return lifespan
+
+
+def serving_context(app: FastAPI) -> serving.ServingContext:
+    """Built on first use after loading: the tokenizer and model limits come from the engine."""
+    if app.state.ctx is not None:
+        return app.state.ctx
+    aengine: AsyncEngine = app.state.engine
+    if aengine.engine is None:
+        raise APIError(503, "the model is still loading", "not_ready",
+                       headers={"Retry-After": str(app.state.settings.retry_after)})
+    s, eng = app.state.settings, aengine.engine
+    try:
+        tokenizer = copy.deepcopy(eng.tokenizer)  # its own copy: the engine thread decodes with the other
+    except Exception:
+        tokenizer = eng.tokenizer
+    limits = P.Limits(vocab_size=eng.vocab_size, max_n=s.max_n, max_logprobs=s.max_logprobs,
+                      max_stop_sequences=s.max_stop_sequences, max_stop_length=s.max_stop_length,
+                      max_tokens_cap=s.max_tokens_cap)
+    max_prompt = min(s.max_prompt_tokens or eng.max_model_len, eng.max_model_len)
+    app.state.ctx = serving.ServingContext(aengine, tokenizer, model_name(eng.config.model, s), limits, max_prompt,
+                                           app.state.executor, s.log_requests)
+    return app.state.ctx
+
+
+def model_name(model: str | None, settings: ServerSettings) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return model if not Path(model).exists() else Path(model).resolve().name
+
+
+def check_model(ctx: serving.ServingContext, requested: str | None, configured: str | None) -> None:
+    """A missing model is fine (one model is served); a wrong one is 404."""
+    if requested is None or requested in (ctx.model_name, configured):
+        return
+    raise APIError(404, f"model {requested[:100]!r} does not exist; this server serves {ctx.model_name!r}",
+                   "model_not_found", "model")
+
+
+async def read_json(request: Request) -> dict:
+    ctype = request.headers.get("content-type")
+    if ctype is not None:
+        mime = ctype.split(";")[0].strip().lower()
+        if not (mime == "application/json" or mime.endswith("+json")):
+            raise APIError(415, "Content-Type must be application/json", "unsupported_media_type")
+    try:
+        raw = await request.body()
+    except BodyTooLarge:
+        raise APIError(413, f"request body is larger than {request.app.state.settings.max_body_bytes} bytes",
+                       "request_too_large") from None
+    return parse_json_object(raw)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError("number out of range")
+    return value
+
+
+def parse_json_object(raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "the body is not valid UTF-8", "invalid_json") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {str(exc)[:120]}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", "invalid_json")
+    return body
+
+
+def parse_model(cls: type[BaseModel], body: dict):
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors(include_input=False)) from None
+
+
+async def until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, coro):
+    """Await `coro`, cancelling it (so its generation aborts) if the client hangs up first."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return None
+
+
+def _add_routes(app: FastAPI, aengine: AsyncEngine) -> None:
+    _add_openai_routes(app, aengine)
+    _add_tokenizer_routes(app)
+    _add_ops_routes(app, aengine)
+
+
+def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
+    @app.post("/v1/completions", responses={200: {"model": P.CompletionResponse, "content": _SSE}, **_ERRORS},
+              openapi_extra=_body_schema(P.CompletionRequest))
+    async def completions(request: Request):
+        ctx = serving_context(app)
+        req = parse_model(P.CompletionRequest, await read_json(request))
+        check_model(ctx, req.model, aengine.engine.config.model)
+        params = P.completion_params(req, ctx.limits)
+        texts, prompts = P.split_prompt(req.prompt)
+        if texts:
+            prompts = await ctx.run(serving.tokenize_texts, ctx, texts)
+        serving.prompt_check(ctx, prompts)
+        if req.echo and not texts:
+            texts = await ctx.run(lambda: [ctx.tokenizer.decode(p) for p in prompts])
+        rid = serving.new_id("cmpl")
+        _log_request(ctx, rid, texts or prompts, prompts)
+        gen = await aengine.generate(rid, prompts, params, req.timeout)
+        if req.stream:
+            return SSEResponse(serving.completion_stream(ctx, gen, req, rid, texts))
+        body = await unless_disconnected(request, serving.completion_response(ctx, gen, req, rid, texts))
+        return JSONResponse(body) if body is not None else Response(status_code=499)
+
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": P.ChatCompletionResponse, "content": _SSE}, **_ERRORS},
+              openapi_extra=_body_schema(P.ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        ctx = serving_context(app)
+        req = parse_model(P.ChatCompletionRequest, await read_json(request))
+        check_model(ctx, req.model, aengine.engine.config.model)
+        params = P.chat_params(req, ctx.limits)
+        prompt = await ctx.run(serving.apply_chat_template, ctx, req)
+        serving.prompt_check(ctx, [prompt])
+        rid = serving.new_id("chatcmpl")
+        _log_request(ctx, rid, [P.message_dicts(req.messages)], [prompt])
+        gen = await aengine.generate(rid, [prompt], params, req.timeout)
+        if req.stream:
+            return SSEResponse(serving.chat_stream(ctx, gen, req, rid))
+        body = await unless_disconnected(request, serving.chat_response(ctx, gen, req, rid))
+        return JSONResponse(body) if body is not None else Response(status_code=499)
+
+    @app.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
+    async def models():
+        ctx = serving_context(app)
+        eng = aengine.engine
+        card = {"id": ctx.model_name, "object": "model", "created": aengine.created,
+                "owned_by": "kvserve", "max_model_len": eng.max_model_len}
+        return {"object": "list", "data": [card]}
+
+
+def _add_tokenizer_routes(app: FastAPI) -> None:
+    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERRORS,
+              openapi_extra=_body_schema(P.TokenizeRequest))
+    async def tokenize(request: Request):
+        ctx = serving_context(app)
+        req = parse_model(P.TokenizeRequest, await read_json(request))
+        check_model(ctx, req.model, app.state.engine.engine.config.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "invalid_value", "prompt")
+        if req.messages is not None:
+            ids = await ctx.run(serving.apply_chat_template, ctx, req)
+        else:
+            ids = await ctx.run(lambda: ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return {"tokens": ids, "count": len(ids), "max_model_len": app.state.engine.engine.max_model_len}
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS,
+              openapi_extra=_body_schema(P.DetokenizeRequest))
+    async def detokenize(request: Request):
+        ctx = serving_context(app)
+        req = parse_model(P.DetokenizeRequest, await read_json(request))
+        check_model(ctx, req.model, app.state.engine.engine.config.model)
+        if req.tokens and max(req.tokens) >= ctx.limits.vocab_size:
+            raise APIError(400, f"tokens: token ids must be in [0, {ctx.limits.vocab_size})", "invalid_value",
+                           "tokens")
+        return {"prompt": await ctx.run(ctx.tokenizer.decode, req.tokens)}
+
+
+def _add_ops_routes(app: FastAPI, aengine: AsyncEngine) -> None:
+    def status_response(ok: bool, detail: str) -> JSONResponse:
+        headers = {} if ok else {"Retry-After": str(app.state.settings.retry_after)}
+        body = {"status": "ok" if ok else "unavailable", "detail": detail}
+        return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    @app.get("/health", response_model=P.HealthResponse, responses={503: {"model": P.HealthResponse}})
+    async def health():
+        return status_response(*aengine.health())
+
+    @app.get("/ready", response_model=P.HealthResponse, responses={503: {"model": P.HealthResponse}})
+    async def ready():
+        return status_response(*aengine.readiness())
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def metrics():
+        return Response(aengine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version", response_model=P.VersionResponse)
+    async def version():
+        return {"version": __version__}
+
+
+def _log_request(ctx: serving.ServingContext, rid: str, shown, prompts: list[list[int]]) -> None:
+    if ctx.log_requests:
+        logger.info("%s prompt: %r", rid, shown)
+    else:
+        logger.debug("%s: %d prompt(s), %d tokens", rid, len(prompts), sum(map(len, prompts)))
+
+
+def _body_schema(model: type[BaseModel]) -> dict:
+    ref = f"#/components/schemas/{model.__name__}"
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema plus the hand-parsed request bodies (and the models they reference)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,163 @@
+"""`kvserve serve` and `kvserve bench serve|throughput`.
+
+Options come from, lowest to highest precedence: defaults, a YAML config file (--config or KVSERVE_CONFIG),
+KVSERVE_* environment variables, command-line flags. SIGTERM / SIGINT drain: new requests get 503 and /ready
+turns 503, requests in flight get --shutdown-timeout seconds, the rest are aborted; the process exits 0.
+A second signal aborts everything at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+
+import uvicorn
+
+from server.settings import ENV_PREFIX, Option, all_options, parse_text, resolve
+
+logger = logging.getLogger("kvserve.server")
+
+BENCH_COMMANDS = {"serve": ("server.bench_serve", "load-test a running OpenAI-compatible server"),
+                  "throughput": ("server.bench_throughput", "offline throughput of the engine")}
+_EPILOG = """\
+Precedence: defaults < --config FILE (or KVSERVE_CONFIG) < KVSERVE_<OPTION> environment variables < flags.
+YAML config files use the option names with underscores, e.g. `max_num_seqs: 64`.
+"""
+
+
+def _flag(opt: Option) -> str:
+    return "--" + opt.name.replace("_", "-")
+
+
+def _add_option(group, opt: Option) -> None:
+    env = ENV_PREFIX + opt.name.upper()
+    default = "unset" if opt.default is None else opt.default
+    help_text = f"{opt.help} (default: {default}; env {env})"
+    if opt.kind == "bool":
+        group.add_argument(_flag(opt), dest=opt.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=help_text)
+    else:
+        group.add_argument(_flag(opt), dest=opt.name, default=argparse.SUPPRESS, metavar=opt.kind.upper(),
+                           type=lambda text, o=opt: parse_text(o, text), help=help_text)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE",
+                        help="YAML file of options, e.g. configs/default.yaml (env KVSERVE_CONFIG)")
+    groups = {"engine": parser.add_argument_group("engine options"),
+              "server": parser.add_argument_group("server options")}
+    for opt in all_options():
+        _add_option(groups[opt.target], opt)
+
+
+def _add_bench(bench_sub, name: str, argv: list[str]) -> None:
+    module_name, summary = BENCH_COMMANDS[name]
+    parser = bench_sub.add_parser(name, help=summary, description=summary)
+    if argv[:2] != ["bench", name]:
+        return  # its options are loaded only when this command runs: a bench module may be heavy
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        parser.description = f"{summary} (unavailable: {exc})"
+        return
+    module.add_arguments(parser)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: a paged-KV LLM inference server",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server", epilog=_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Start the OpenAI-compatible server (binds 127.0.0.1:8000 by default).")
+    add_serve_arguments(serve)
+    bench = sub.add_parser("bench", help="benchmarks: `kvserve bench serve|throughput --help`")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name in BENCH_COMMANDS:
+        _add_bench(bench_sub, name, argv)
+    parser.epilog = "`kvserve serve` options:\n\n" + serve.format_help()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    if args.command == "bench":
+        module_name = BENCH_COMMANDS[args.bench_command][0]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            print(f"kvserve bench {args.bench_command} is not available: {exc}", file=sys.stderr)
+            return 2
+        return int(module.main(args) or 0)
+    flags = {k: v for k, v in vars(args).items() if k != "command"}
+    try:
+        engine_config, settings = resolve(flags)
+    except (ValueError, OSError) as exc:
+        print(f"kvserve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_server(engine_config, settings)
+
+
+def run_server(engine_config, settings) -> int:
+    from engine.engine import LLMEngine
+    from server.app import create_app
+    from server.async_engine import AsyncEngine
+
+    aengine = AsyncEngine(lambda: LLMEngine(engine_config), settings)
+    app = create_app(aengine, settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = DrainingServer(config, aengine, settings.shutdown_timeout)
+    aengine.on_fatal = lambda exc: server.request_exit()
+    logger.info("kvserve: serving on http://%s:%d; the model loads in the background (/ready is 200 once loaded)",
+                settings.host, settings.port)
+    server.run()
+    if aengine.load_error is not None:
+        print(f"kvserve: loading the model failed: {aengine.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn.Server whose first SIGTERM / SIGINT drains instead of closing the listening socket at once."""
+
+    def __init__(self, config: uvicorn.Config, aengine, shutdown_timeout: float):
+        super().__init__(config)
+        self.aengine = aengine
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame):
+        # Not recorded in _captured_signals: uvicorn would re-raise it at exit, and we would not exit 0.
+        if self._loop is None:
+            self.should_exit = True
+        elif self._drain_started:
+            logger.warning("second signal: aborting every request now")
+            self._loop.call_soon_threadsafe(self.aengine.abort_all)
+            self.should_exit = True
+        else:
+            self._drain_started = True
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+    async def _drain(self) -> None:
+        logger.info("draining: refusing new requests; %d in flight get %.0f s", self.aengine.num_live,
+                    self.shutdown_timeout)
+        self.aengine.begin_drain()
+        if not await self.aengine.wait_idle(self.shutdown_timeout):
+            logger.warning("shutdown timeout: aborting %d requests", self.aengine.num_live)
+            self.aengine.abort_all()
+            await self.aengine.wait_idle(10.0)
+        self.should_exit = True

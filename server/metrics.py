@@ -1,0 +1,77 @@
+"""Prometheus metrics, in a registry per app (two servers in one process never share counters).
+
+Engine-side numbers (queue lengths, KV blocks, prefix cache, token counters) are read from the latest
+EngineStats snapshot at scrape time; latencies are observed by the server as outputs arrive.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                    300.0, 600.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+
+class _EngineStatsCollector:
+    """Gauges and cumulative counters straight from the engine's own stats."""
+
+    def __init__(self, snapshot: Callable[[], object | None], server_idle_violations: Callable[[], int]):
+        self._snapshot = snapshot
+        self._server_idle_violations = server_idle_violations
+
+    def collect(self):
+        stats = self._snapshot()
+        sched = getattr(stats, "scheduler", None)
+        gauges = (("kvserve_requests_running", "completions running in the batch", "num_running"),
+                  ("kvserve_requests_waiting", "completions waiting in the engine's queue", "num_waiting"),
+                  ("kvserve_kv_blocks_total", "KV-cache blocks in the pool", "num_blocks_total"),
+                  ("kvserve_kv_blocks_used", "KV-cache blocks held by live requests (not evictable cache)",
+                   "num_blocks_used"),
+                  ("kvserve_kv_blocks_cached", "evictable prefix-cache blocks", "num_blocks_cached"))
+        for name, doc, attr in gauges:
+            yield GaugeMetricFamily(name, doc, value=getattr(sched, attr, 0))
+        counters = (("kvserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                     sched, "prefix_cache_queries"),
+                    ("kvserve_prefix_cache_hits", "prompt tokens found in the prefix cache", sched,
+                     "prefix_cache_hits"),
+                    ("kvserve_preemptions", "requests preempted for lack of KV blocks", sched, "num_preemptions"),
+                    ("kvserve_prompt_tokens", "prompt tokens admitted", stats, "prompt_tokens_total"),
+                    ("kvserve_generation_tokens", "tokens generated", stats, "generation_tokens_total"),
+                    ("kvserve_engine_steps", "engine steps run", stats, "num_steps"))
+        for name, doc, obj, attr in counters:
+            yield CounterMetricFamily(name, doc, value=getattr(obj, attr, 0))
+        violations = getattr(stats, "idle_invariant_violations", 0) + self._server_idle_violations()
+        yield CounterMetricFamily("kvserve_idle_invariant_violations",
+                                  "times the engine went idle with KV blocks still held by no request",
+                                  value=violations)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], object | None]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.server_idle_violations = 0  # found by the server when the engine has no check of its own
+        self.registry.register(_EngineStatsCollector(snapshot, lambda: self.server_idle_violations))
+        r = self.registry
+        self.finished = Counter("kvserve_requests_finished", "completions finished, by reason", ["reason"],
+                                registry=r)
+        self.rejected = Counter("kvserve_requests_rejected", "requests refused before admission, by error code",
+                                ["code"], registry=r)
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds", "arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvserve_inter_token_latency_seconds", "time between tokens of one completion",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("kvserve_queue_time_seconds",
+                                    "arrival to the first scheduled step (queue wait)",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(reason)  # present at 0 from the start
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,357 @@
+"""Request bodies (strict pydantic models) -> SamplingParams, and the response shapes (for the OpenAPI schema).
+
+Validation is strict: "16", true and 5.5 are not integers, NaN and Infinity are not numbers, text may not
+hold lone surrogates. Unknown fields are ignored, as OpenAI and vLLM do (a client built for a newer API
+keeps working); every field this server knows is checked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from engine.request import RequestError, SamplingParams
+from server.errors import APIError
+
+MAX_LOGIT_BIAS_ENTRIES = 1024
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def _no_surrogates(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_surrogates)]
+TokenIds = list[Annotated[int, Field(ge=0)]]
+Prompt = Union[Text, list[Text], TokenIds, list[TokenIds]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions. null means the default."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    best_of: int | None = Field(None, ge=1, description="must be >= n; kvserve returns n completions")
+    temperature: float | None = Field(1.0, ge=0)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(-1, ge=-1)
+    min_p: float | None = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(1.0, gt=0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_tokens: int | None = Field(0, ge=0)
+    ignore_eos: bool | None = False
+    stop: Union[Text, list[Text], None] = None
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    timeout: float | None = Field(None, gt=0, description="seconds; the server's request_timeout caps it")
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[Text, list[TextPart], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: TokenIds
+
+
+# ---- sampling parameters ------------------------------------------------------------------------
+
+
+@dataclass
+class Limits:
+    vocab_size: int
+    max_n: int
+    max_logprobs: int
+    max_stop_sequences: int
+    max_stop_length: int
+    max_tokens_cap: int | None
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", code, param)
+
+
+def _check_stop(stop: list[str], limits: Limits) -> None:
+    if len(stop) > limits.max_stop_sequences:
+        raise _bad("stop", f"at most {limits.max_stop_sequences} stop strings")
+    for s in stop:
+        if not s:
+            raise _bad("stop", "stop strings must not be empty")
+        if len(s) > limits.max_stop_length:
+            raise _bad("stop", f"stop strings are at most {limits.max_stop_length} characters")
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not raw:
+        return None
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    out = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12 and int(key) < vocab_size):
+            raise _bad("logit_bias", f"keys must be token ids in [0, {vocab_size})")
+        out[int(key)] = value
+    return out
+
+
+def _check_token_ids(ids: list[int] | None, vocab_size: int, param: str) -> None:
+    if ids and max(ids) >= vocab_size:
+        raise _bad(param, f"token ids must be in [0, {vocab_size})")
+
+
+def _max_tokens(requested: int | None, limits: Limits) -> int | None:
+    if requested is not None and limits.max_tokens_cap is not None and requested > limits.max_tokens_cap:
+        raise _bad("max_tokens", f"must be <= {limits.max_tokens_cap} on this server")
+    return requested if requested is not None else limits.max_tokens_cap
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def sampling_params(req: _SamplingFields, limits: Limits, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    """Everything the engine needs, checked against this server's caps. Raises APIError (400)."""
+    if req.n > limits.max_n:
+        raise _bad("n", f"must be <= {limits.max_n} on this server")
+    if req.best_of is not None and req.best_of < req.n:
+        raise _bad("best_of", "must be >= n")
+    if logprobs is not None and logprobs > limits.max_logprobs:
+        raise _bad("logprobs", f"must be <= {limits.max_logprobs} on this server")
+    if req.stream_options is not None and not req.stream:
+        raise _bad("stream_options", "is only allowed with stream: true")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    _check_stop(stop, limits)
+    _check_token_ids(req.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    try:
+        return SamplingParams(
+            n=req.n, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, -1),
+            min_p=_or(req.min_p, 0.0), seed=req.seed, presence_penalty=_or(req.presence_penalty, 0.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0), repetition_penalty=_or(req.repetition_penalty, 1.0),
+            logit_bias=_logit_bias(req.logit_bias, limits.vocab_size), min_tokens=_or(req.min_tokens, 0),
+            max_tokens=_max_tokens(max_tokens, limits), ignore_eos=bool(req.ignore_eos), stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            logprobs=logprobs, skip_special_tokens=_or(req.skip_special_tokens, True))
+    except RequestError as err:
+        raise APIError(400, err.message, err.code, err.param) from None
+
+
+def completion_params(req: CompletionRequest, limits: Limits) -> SamplingParams:
+    if req.echo and req.logprobs is not None:
+        raise _bad("logprobs", "echo with logprobs needs prompt logprobs, which kvserve does not compute",
+                   "unsupported")
+    return sampling_params(req, limits, _or(req.max_tokens, 16), req.logprobs)
+
+
+def chat_params(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    top = req.top_logprobs
+    if top is not None and not req.logprobs:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    return sampling_params(req, limits, max_tokens, (top or 0) if req.logprobs else None)
+
+
+def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_prompt_tokens: int) -> None:
+    for ids in prompts:
+        if not ids:
+            raise _bad("prompt", "must not be empty")
+        _check_token_ids(ids, vocab_size, "prompt")
+        if len(ids) > max_prompt_tokens:
+            raise APIError(400, f"prompt is {len(ids)} tokens, more than the {max_prompt_tokens} allowed",
+                           "context_length_exceeded", "prompt")
+
+
+def split_prompt(prompt) -> tuple[list[str], list[list[int]]]:
+    """A validated `prompt` -> (texts to tokenize, token-id prompts); exactly one of the two is non-empty."""
+    if isinstance(prompt, str):
+        return [prompt], []
+    if not prompt:
+        raise _bad("prompt", "must not be empty")
+    if isinstance(prompt[0], str):
+        return list(prompt), []
+    if isinstance(prompt[0], int):
+        return [], [list(prompt)]
+    return [], [list(p) for p in prompt]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template expects them: text parts joined into one string."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        d = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+# ---- responses (what the handlers emit; declared for the OpenAPI schema and checked by the tests) ----
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class HealthResponse(BaseModel):
+    status: str
+    detail: str | None = None

@@ -1,0 +1,283 @@
+"""OpenAI completions and chat completions on top of AsyncEngine: prompts in, JSON or SSE out.
+
+A request's choices are numbered prompt_index * n + completion_index (OpenAI's order). Streams send a
+chunk whenever a completion gains text or logprobs, or finishes; an error after the stream started is an
+SSE `data: {"error": ...}` event followed by `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason, StepOutput, TokenLogprob
+from server.async_engine import AsyncEngine, Generation
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest, Limits, check_prompt_ids, message_dicts
+
+logger = logging.getLogger("kvserve.server")
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a token the request made impossible gets this
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    tokenizer: object  # the server's own copy: the engine thread uses the engine's
+    model_name: str
+    limits: Limits
+    max_prompt_tokens: int
+    executor: ThreadPoolExecutor  # tokenization, off the event loop
+    log_requests: bool = False
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+@dataclass
+class Choice:
+    """One completion as it accumulates."""
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0  # streaming: characters sent so far (for text_offset)
+
+    def add(self, out: StepOutput) -> None:
+        self.text.append(out.new_text)
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs or []
+        if out.finished:
+            self.finish_reason = out.finish_reason.value
+            self.stop_reason = out.stop_reason
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def choice_index(gen: Generation, out: StepOutput) -> int:
+    return gen.prompt_index[out.request_id] * gen.params.n + out.index
+
+
+def check_error(out: StepOutput) -> None:
+    if out.finish_reason == FinishReason.ERROR:
+        raise APIError(500, out.error or "the model step failed", "internal_error")
+
+
+def usage(gen: Generation, completion_tokens: int, cached: int) -> dict:
+    prompt_tokens = sum(len(p) for p in gen.prompts.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def collect(gen: Generation) -> tuple[dict[int, Choice], int]:
+    """Run a generation to the end. Returns the choices by index and the cached prompt tokens."""
+    choices: dict[int, Choice] = {}
+    cached: dict[str, int] = {}
+    async for out in gen.outputs():
+        check_error(out)
+        idx = choice_index(gen, out)
+        choices.setdefault(idx, Choice(idx)).add(out)
+        cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
+    return choices, sum(cached.values())
+
+
+async def stream_events(gen: Generation, chunks, include_usage_chunk):
+    """SSE framing around `chunks` (an async iterator of dicts), errors included, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+        if include_usage_chunk is not None:
+            yield sse(include_usage_chunk())
+    except APIError as err:
+        yield sse(err.body())
+    except Exception:
+        logger.exception("error while streaming %s", gen.request_id)
+        yield sse(APIError(500, "internal server error", "internal_error").body())
+    finally:
+        gen.close()
+    yield sse("[DONE]")
+
+
+# ---- completions ------------------------------------------------------------------------------------
+
+
+def completion_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob], offset: int) -> dict:
+    """OpenAI completions shape; text_offset counts the token strings from `offset`."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in logprobs:
+        text = ctx.token_text(lp.token_id)
+        tokens.append(text)
+        token_lps.append(_finite(lp.logprob))
+        top = {ctx.token_text(t): _finite(v) for t, v in lp.top}
+        top.setdefault(text, _finite(lp.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def completion_response(ctx: ServingContext, gen: Generation, req: CompletionRequest, rid: str,
+                              prompt_texts: list[str]) -> dict:
+    choices, cached = await collect(gen)
+    out = []
+    for idx in sorted(choices):
+        c = choices[idx]
+        prefix = prompt_texts[idx // gen.params.n] if req.echo else ""
+        lps = completion_logprobs(ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None
+        out.append({"index": idx, "text": prefix + "".join(c.text), "logprobs": lps,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    completion_tokens = sum(len(c.token_ids) for c in choices.values())
+    if ctx.log_requests:
+        logger.info("%s output: %r", rid, [c["text"] for c in out])
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_name,
+            "choices": out, "usage": usage(gen, completion_tokens, cached)}
+
+
+def completion_stream(ctx: ServingContext, gen: Generation, req: CompletionRequest, rid: str,
+                      prompt_texts: list[str]):
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    state = {"tokens": 0, "cached": {}}
+
+    def chunk(choices: list[dict]) -> dict:
+        body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    async def chunks():
+        offsets = {}
+        if req.echo:
+            for idx in range(len(gen.engine_ids) * gen.params.n):
+                text = prompt_texts[idx // gen.params.n]
+                offsets[idx] = len(text)
+                yield chunk([{"index": idx, "text": text, "logprobs": None, "finish_reason": None}])
+        async for out in gen.outputs():
+            check_error(out)
+            idx = choice_index(gen, out)
+            state["tokens"] += len(out.new_token_ids)
+            state["cached"][out.request_id] = out.num_cached_tokens
+            lps = None
+            if req.logprobs is not None and out.new_logprobs:
+                lps = completion_logprobs(ctx, out.new_logprobs, offsets.get(idx, 0))
+                offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
+            if out.new_text or lps or out.finished:
+                yield chunk([{"index": idx, "text": out.new_text, "logprobs": lps,
+                              "finish_reason": out.finish_reason.value if out.finished else None,
+                              "stop_reason": out.stop_reason}])
+
+    def usage_chunk() -> dict:
+        body = chunk([])
+        body["usage"] = usage(gen, state["tokens"], sum(state["cached"].values()))
+        return body
+
+    return stream_events(gen, chunks(), usage_chunk if include_usage else None)
+
+
+# ---- chat completions ----------------------------------------------------------------------------
+
+
+def chat_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = ctx.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+async def chat_response(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str) -> dict:
+    choices, cached = await collect(gen)
+    out = [{"index": idx, "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": chat_logprobs(ctx, c.logprobs) if req.logprobs else None,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+           for idx, c in sorted(choices.items())]
+    if ctx.log_requests:
+        logger.info("%s output: %r", rid, [c["message"]["content"] for c in out])
+    completion_tokens = sum(len(c.token_ids) for c in choices.values())
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name,
+            "choices": out, "usage": usage(gen, completion_tokens, cached)}
+
+
+def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str):
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    state = {"tokens": 0, "cached": {}}
+
+    def chunk(choices: list[dict]) -> dict:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    async def chunks():
+        for idx in range(gen.params.n):
+            yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for out in gen.outputs():
+            check_error(out)
+            state["tokens"] += len(out.new_token_ids)
+            state["cached"][out.request_id] = out.num_cached_tokens
+            lps = chat_logprobs(ctx, out.new_logprobs) if req.logprobs and out.new_logprobs else None
+            if out.new_text or lps or out.finished:
+                delta = {"content": out.new_text} if out.new_text else {}
+                yield chunk([{"index": out.index, "delta": delta, "logprobs": lps,
+                              "finish_reason": out.finish_reason.value if out.finished else None,
+                              "stop_reason": out.stop_reason}])
+
+    def usage_chunk() -> dict:
+        body = chunk([])
+        body["usage"] = usage(gen, state["tokens"], sum(state["cached"].values()))
+        return body
+
+    return stream_events(gen, chunks(), usage_chunk if include_usage else None)
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+
+
+def tokenize_texts(ctx: ServingContext, texts: list[str]) -> list[list[int]]:
+    return [ctx.tokenizer.encode(t) for t in texts]
+
+
+def apply_chat_template(ctx: ServingContext, req: ChatCompletionRequest | object) -> list[int]:
+    tok = ctx.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "unsupported")
+    try:
+        text = tok.apply_chat_template(message_dicts(req.messages), tokenize=False,
+                                       add_generation_prompt=getattr(req, "add_generation_prompt", True))
+    except Exception as exc:  # jinja's raise_exception(...) in a template: the messages broke its rules
+        raise APIError(400, f"messages: the chat template refused them: {exc}", "invalid_value", "messages")
+    return tok.encode(text, add_special_tokens=False)
+
+
+def prompt_check(ctx: ServingContext, prompts: list[list[int]]) -> None:
+    check_prompt_ids(prompts, ctx.limits.vocab_size, ctx.max_prompt_tokens)

@@ -1,0 +1,218 @@
+"""Server settings and the one option table behind flags, KVSERVE_* variables and YAML config files.
+
+Precedence: dataclass defaults < config file < KVSERVE_* environment variables < command-line flags.
+Every EngineConfig field and every ServerSettings field is an option under the same name
+(`max_num_seqs` is `--max-num-seqs`, `KVSERVE_MAX_NUM_SEQS` and `max_num_seqs:` in YAML).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from engine.config import BACKENDS, DEVICES, DTYPES, EngineConfig
+
+logger = logging.getLogger("kvserve.server")
+
+ENV_PREFIX = "KVSERVE_"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None
+    max_tokens_cap: int | None = None
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_sequences: int = 16
+    max_stop_length: int = 256
+    max_waiting_requests: int = 512
+    max_waiting_tokens: int = 1 << 20
+    queue_timeout: float | None = 300.0
+    request_timeout: float | None = 1800.0
+    shutdown_timeout: float = 30.0
+    watchdog_timeout: float = 60.0
+    retry_after: int = 1
+    cors_origins: list[str] = field(default_factory=list)
+    log_requests: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(0 < self.port < 65536, f"port must be in [1, 65535], got {self.port}")
+        need(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
+        for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_stop_length", "max_waiting_requests",
+                     "max_waiting_tokens"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1")
+        for name in ("max_prompt_tokens", "max_tokens_cap"):
+            need(getattr(self, name) is None or getattr(self, name) >= 1, f"{name} must be >= 1 or null")
+        need(0 <= self.max_logprobs <= 20, "max_logprobs must be in [0, 20]")
+        for name in ("queue_timeout", "request_timeout"):
+            value = getattr(self, name)
+            need(value is None or (math.isfinite(value) and value > 0), f"{name} must be > 0 or null")
+        for name in ("shutdown_timeout", "watchdog_timeout"):
+            need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, f"{name} must be >= 0")
+        need(self.retry_after >= 0, "retry_after must be >= 0")
+        need(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}")
+
+
+ENGINE_HELP = {
+    "model": "model directory, Hugging Face hub id (from the local cache) or .gguf file; "
+             "default: the embedded SmolLM2-135M-Instruct",
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "dtype": f"weights and activations dtype {DTYPES}; auto = bfloat16 on GPU, float32 on CPU",
+    "device": f"device {DEVICES}; auto = cuda when available",
+    "block_size": "tokens per KV-cache block (a power of two)",
+    "num_kv_blocks": "KV-cache blocks; default: sized from kv_cache_memory_bytes (CPU) or gpu_memory_utilization",
+    "kv_cache_memory_bytes": "bytes of KV cache on CPU when num_kv_blocks is not set",
+    "gpu_memory_utilization": "fraction of GPU memory kvserve may use (weights + KV cache + activations)",
+    "max_num_seqs": "most sequences in one batch",
+    "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
+    "max_model_len": "longest prompt + output, tokens; default: the model's max_position_embeddings",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "attention_backend": f"attention backend {BACKENDS}; auto picks the fastest that supports the model",
+    "enforce_eager": "no CUDA graphs",
+    "seed": "engine seed (unseeded requests draw from it)",
+}
+
+SERVER_HELP = {
+    "host": "address to bind (127.0.0.1: loopback only; 0.0.0.0: every interface)",
+    "port": "port to bind",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize",
+    "served_model_name": "model name clients send and /v1/models lists (default: from the model path)",
+    "max_body_bytes": "largest request body, bytes (413 beyond it, checked while the body streams in)",
+    "max_prompt_tokens": "longest prompt, tokens (default: max_model_len)",
+    "max_tokens_cap": "largest max_tokens a request may ask for (default: no cap beyond max_model_len)",
+    "max_n": "largest n (completions per prompt) times number of prompts in one request",
+    "max_logprobs": "largest logprobs / top_logprobs (<= 20)",
+    "max_stop_sequences": "most stop strings in one request",
+    "max_stop_length": "longest stop string, characters",
+    "max_waiting_requests": "most completions waiting for their first token; beyond it 429 overloaded",
+    "max_waiting_tokens": "most prompt tokens waiting for their first token; beyond it 429 overloaded",
+    "queue_timeout": "seconds a request may wait for its first token (queue + prefill); null: no limit",
+    "request_timeout": "seconds a request may take in total (requests may ask for less with 'timeout'); "
+                       "null: no limit",
+    "shutdown_timeout": "on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+    "watchdog_timeout": "seconds without engine progress while work is pending before /health reports 503",
+    "retry_after": "Retry-After seconds sent with 429 / 503",
+    "cors_origins": "comma-separated origins allowed by CORS (default: CORS off)",
+    "log_requests": "log prompts and outputs (off by default: they may be private)",
+    "log_level": f"log level {LOG_LEVELS}",
+}
+
+
+@dataclass
+class Option:
+    name: str
+    kind: str  # "str" | "int" | "float" | "bool" | "list"
+    nullable: bool
+    default: object
+    help: str
+    target: str  # "engine" | "server"
+
+
+def _options_of(cls, helps: dict[str, str], target: str) -> list[Option]:
+    out = []
+    for f in fields(cls):
+        ann = str(f.type)
+        kind = "list" if ann.startswith("list") else next(k for k in ("bool", "int", "float", "str") if k in ann)
+        default = f.default_factory() if f.default is MISSING else f.default
+        out.append(Option(f.name, kind, "None" in ann, default, helps.get(f.name, f.name), target))
+    return out
+
+
+def all_options() -> list[Option]:
+    return _options_of(EngineConfig, ENGINE_HELP, "engine") + _options_of(ServerSettings, SERVER_HELP, "server")
+
+
+def parse_text(opt: Option, text: str):
+    """A flag or environment value (always a string) -> the option's type."""
+    if opt.nullable and text.strip().lower() in ("", "none", "null"):
+        return None
+    if opt.kind == "bool":
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{opt.name}: expected a boolean, got {text!r}")
+    if opt.kind == "list":
+        return [s.strip() for s in text.split(",") if s.strip()]
+    try:
+        return {"int": int, "float": float, "str": str}[opt.kind](text)
+    except ValueError:
+        raise ValueError(f"{opt.name}: expected {opt.kind}, got {text!r}") from None
+
+
+def check_yaml_value(opt: Option, value):
+    """A YAML value (already typed) -> the option's type, strictly (no 'true' for 1, no 5.5 for an int)."""
+    if value is None and opt.nullable:
+        return None
+    if isinstance(value, str) and opt.kind not in ("str", "list"):
+        return parse_text(opt, value)
+    ok = {"bool": lambda v: isinstance(v, bool),
+          "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          "str": lambda v: isinstance(v, str),
+          "list": lambda v: isinstance(v, (list, str))}[opt.kind]
+    if not ok(value):
+        raise ValueError(f"{opt.name}: expected {opt.kind}, got {value!r}")
+    if opt.kind == "list" and isinstance(value, str):
+        return parse_text(opt, value)
+    return float(value) if opt.kind == "float" else value
+
+
+def read_config_file(path: str | os.PathLike, options: dict[str, Option]) -> dict:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file is a mapping of option names to values")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in options:
+            raise ValueError(f"{path}: unknown option {key!r}; known: {', '.join(sorted(options))}")
+        out[name] = check_yaml_value(options[name], value)
+    return out
+
+
+def read_env(env: dict[str, str], options: dict[str, Option]) -> dict:
+    out = {}
+    for key, text in env.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name in options:
+            out[name] = parse_text(options[name], text)
+        else:
+            logger.warning("ignoring %s: no option %r", key, name)
+    return out
+
+
+def resolve(flags: dict, env: dict[str, str] | None = None) -> tuple[EngineConfig, ServerSettings]:
+    """flags: the options given on the command line (plus 'config'). Returns the validated configs."""
+    env = dict(os.environ) if env is None else env
+    options = {o.name: o for o in all_options()}
+    values = {name: opt.default for name, opt in options.items()}
+    config_path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        values.update(read_config_file(config_path, options))
+    values.update(read_env(env, options))
+    values.update({k: v for k, v in flags.items() if k in options})
+    engine = EngineConfig(**{k: v for k, v in values.items() if options[k].target == "engine"})
+    server = ServerSettings(**{k: v for k, v in values.items() if options[k].target == "server"})
+    return engine, server

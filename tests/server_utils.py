@@ -1,0 +1,145 @@
+"""Helpers to run the real server in tests: uvicorn on a loopback port, in a thread or a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base_url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(base_url + "/ready", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} not ready after {timeout} s")
+
+
+class ServerThread:
+    """The real app under uvicorn in a background thread of this process.
+
+    engine_factory(config) -> engine lets a test wrap the engine (fault injection); default LLMEngine.
+    """
+
+    def __init__(self, model_dir, engine_factory=None, **options):
+        from engine.config import EngineConfig
+        from server.settings import ServerSettings
+
+        engine_fields = set(EngineConfig.field_names())
+        engine_opts = dict(model=str(model_dir), device="cpu", num_kv_blocks=128, max_num_seqs=64)
+        engine_opts.update({k: v for k, v in options.items() if k in engine_fields})
+        self.engine_config = EngineConfig(**engine_opts)
+        server_opts = {k: v for k, v in options.items() if k not in engine_fields}
+        self.settings = ServerSettings(port=free_port(), log_level="warning", **server_opts)
+        self.engine_factory = engine_factory
+        self.base_url = f"http://127.0.0.1:{self.settings.port}"
+        self.app = self.aengine = self.server = self.thread = None
+
+    def __enter__(self) -> "ServerThread":
+        import uvicorn
+
+        from engine.engine import LLMEngine
+        from server.app import create_app
+        from server.async_engine import AsyncEngine
+
+        factory = self.engine_factory or LLMEngine
+        self.aengine = AsyncEngine(lambda: factory(self.engine_config), self.settings)
+        self.app = create_app(self.aengine, self.settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.port, log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+        self.thread.start()
+        wait_ready(self.base_url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url("/metrics"), timeout=10).text)
+
+    def wait_blocks_free(self, timeout: float = 20.0) -> float:
+        """Waits for kvserve_kv_blocks_used to reach 0; returns the last value seen."""
+        deadline = time.monotonic() + timeout
+        used = self.metrics()["kvserve_kv_blocks_used"]
+        while used != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            used = self.metrics()["kvserve_kv_blocks_used"]
+        return used
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name' or 'name{k="v",...}': value}, through prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE response: dicts, and the string '[DONE]'."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def start_server_process(args: list[str], env: dict | None = None, port: int | None = None
+                         ) -> tuple[subprocess.Popen, str]:
+    """`python -m server serve ARGS --port PORT` as a subprocess; returns it once /ready is 200."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, proc=proc)
+    except Exception:
+        stop_process(proc)
+        raise
+    return proc, base_url
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> tuple[int, str]:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out
