@@ -11,6 +11,12 @@ CONTRACT (fixed; the scheduler helper fills in the bodies):
   .finish_request(request_id, reason, stop_reason=None)   abort or stop string: frees everything it holds
   .has_unfinished() -> bool
   .stats() -> SchedulerStats
+  .check_idle_invariant() -> int   with no live request: blocks neither free nor evictable cache (leaks; 0)
+
+Behaviour: running requests first (admission order), then waiting ones FCFS; a prompt longer than the budget
+is chunked over steps; a request short of blocks preempts the most recently admitted running request
+(recompute, output kept, back to the front of the queue). Prefix-cache blocks are registered in update(),
+after the step that wrote them ran. Without max_tokens, generation also ends where the KV pool ends.
 """
 from __future__ import annotations
 

@@ -409,15 +409,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(set(ids)) == len(ids) and not set(ids) & set(out.preempted_ids)
         kinds = [sr.num_new_tokens > 1 for sr in out.scheduled]
         assert kinds == sorted(kinds, reverse=True)  # prefills first
+        context = {sr.request.request_id: sr.num_computed_tokens for sr in out.scheduled}
         for sr in out.scheduled:
             r = sr.request
             assert r.status == RequestStatus.RUNNING and sr.num_new_tokens >= 1
             assert sr.num_computed_tokens + sr.num_new_tokens == r.num_computed_tokens <= r.num_tokens
             admitted_now = before[r.request_id][0] != RequestStatus.RUNNING
-            sibling = r.wait_for_prefill_of
-            if admitted_now and sibling in before and s.enable_prefix_caching:
-                # n > 1: its sibling's prompt was computed by an earlier step, so it is in the prefix cache.
-                assert before[sibling][1] >= r.num_prompt_tokens
+            sibling = s.requests.get(r.wait_for_prefill_of)
+            if admitted_now and sibling is not None and s.enable_prefix_caching:
+                # n > 1: the sibling's whole prompt was in its context at the start of this step (written by
+                # an earlier step, or a cache hit), so the newcomer could find it in the prefix cache.
+                sibling_context = context.get(sibling.request_id, sibling.num_computed_tokens)
+                assert sibling_context >= sibling.num_prompt_tokens
 
     def check_kv(self, out: SchedulerOutput):
         """Play the runner: every context position read must hold the K/V of exactly that prefix."""
