@@ -94,7 +94,7 @@ def serving_context(app: FastAPI) -> serving.ServingContext:
     s, eng = app.state.settings, aengine.engine
     try:
         tokenizer = copy.deepcopy(eng.tokenizer)  # its own copy: the engine thread decodes with the other
-    except Exception:
+    except Exception:  # a tokenizer that cannot be copied is shared (decode and encode only read it)
         tokenizer = eng.tokenizer
     limits = P.Limits(vocab_size=eng.vocab_size, max_n=s.max_n, max_logprobs=s.max_logprobs,
                       max_stop_sequences=s.max_stop_sequences, max_stop_length=s.max_stop_length,
@@ -209,7 +209,9 @@ def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
             prompts = await ctx.run(serving.tokenize_texts, ctx, texts)
         serving.prompt_check(ctx, prompts)
         if req.echo and not texts:
-            texts = await ctx.run(lambda: [ctx.tokenizer.decode(p) for p in prompts])
+            texts = await ctx.run(lambda: [ctx.tokenizer.decode(p) if ctx.tokenizer else "" for p in prompts])
+        if params.stop:
+            ctx.need_tokenizer("a stop string")
         rid = serving.new_id("cmpl")
         _log_request(ctx, rid, texts or prompts, prompts)
         gen = await aengine.generate(rid, prompts, params, req.timeout)
@@ -257,7 +259,8 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
         if req.messages is not None:
             ids = await ctx.run(serving.apply_chat_template, ctx, req)
         else:
-            ids = await ctx.run(lambda: ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            tokenizer = ctx.need_tokenizer("tokenize")
+            ids = await ctx.run(lambda: tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": app.state.engine.engine.max_model_len}
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS,
@@ -269,7 +272,7 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
         if req.tokens and max(req.tokens) >= ctx.limits.vocab_size:
             raise APIError(400, f"tokens: token ids must be in [0, {ctx.limits.vocab_size})", "invalid_value",
                            "tokens")
-        return {"prompt": await ctx.run(ctx.tokenizer.decode, req.tokens)}
+        return {"prompt": await ctx.run(ctx.need_tokenizer("detokenize").decode, req.tokens)}
 
 
 def _add_ops_routes(app: FastAPI, aengine: AsyncEngine) -> None:

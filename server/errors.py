@@ -68,10 +68,13 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
 def from_validation_errors(errors: list[dict]) -> APIError:
     """The first pydantic error as a 400, naming the field and never quoting the input."""
     err = errors[0]
+    same_field = [e for e in errors if e.get("loc", ())[:1] == err.get("loc", ())[:1]]
+    # In a union, a value error comes from the member whose type matched: it is the one that explains.
+    err = next((e for e in same_field if _validation_code(e.get("type", "")) == "invalid_value"), err)
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
     kind = err.get("type", "")
     field = next((p for p in loc if not p.isdigit()), None)
-    if field in _UNION_MESSAGES and len([e for e in errors if e.get("loc", ())[:1] == err["loc"][:1]]) > 1:
+    if field in _UNION_MESSAGES and len(same_field) > 1 and _validation_code(kind) == "invalid_type":
         param, message, code = field, f"{field}: {_UNION_MESSAGES[field]}", "invalid_type"
     else:
         param = ".".join(p for p in loc if "[" not in p) or None

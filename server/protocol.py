@@ -71,6 +71,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    return_token_ids: bool | None = Field(False, description="add each choice's token_ids (vLLM's option)")
 
 
 class TextPart(_Strict):
@@ -278,6 +279,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

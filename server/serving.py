@@ -40,10 +40,18 @@ class ServingContext:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:  # skip_tokenizer_init: vLLM's spelling of a token without text
+            return f"token_id:{token_id}"
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+    def need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer, and this server runs without one "
+                                "(skip_tokenizer_init): send token ids", "unsupported")
+        return self.tokenizer
 
 
 @dataclass
@@ -149,8 +157,11 @@ async def completion_response(ctx: ServingContext, gen: Generation, req: Complet
         c = choices[idx]
         prefix = prompt_texts[idx // gen.params.n] if req.echo else ""
         lps = completion_logprobs(ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None
-        out.append({"index": idx, "text": prefix + "".join(c.text), "logprobs": lps,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choice = {"index": idx, "text": prefix + "".join(c.text), "logprobs": lps,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        out.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in choices.values())
     if ctx.log_requests:
         logger.info("%s output: %r", rid, [c["text"] for c in out])
@@ -187,10 +198,13 @@ def completion_stream(ctx: ServingContext, gen: Generation, req: CompletionReque
             if req.logprobs is not None and out.new_logprobs:
                 lps = completion_logprobs(ctx, out.new_logprobs, offsets.get(idx, 0))
                 offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
-            if out.new_text or lps or out.finished:
-                yield chunk([{"index": idx, "text": out.new_text, "logprobs": lps,
-                              "finish_reason": out.finish_reason.value if out.finished else None,
-                              "stop_reason": out.stop_reason}])
+            if out.new_text or out.new_token_ids or out.finished:
+                choice = {"index": idx, "text": out.new_text, "logprobs": lps,
+                          "finish_reason": out.finish_reason.value if out.finished else None,
+                          "stop_reason": out.stop_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = out.new_token_ids
+                yield chunk([choice])
 
     def usage_chunk() -> dict:
         body = chunk([])
@@ -246,7 +260,7 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
             state["tokens"] += len(out.new_token_ids)
             state["cached"][out.request_id] = out.num_cached_tokens
             lps = chat_logprobs(ctx, out.new_logprobs) if req.logprobs and out.new_logprobs else None
-            if out.new_text or lps or out.finished:
+            if out.new_text or out.new_token_ids or out.finished:
                 delta = {"content": out.new_text} if out.new_text else {}
                 yield chunk([{"index": out.index, "delta": delta, "logprobs": lps,
                               "finish_reason": out.finish_reason.value if out.finished else None,
@@ -264,11 +278,12 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
 
 
 def tokenize_texts(ctx: ServingContext, texts: list[str]) -> list[list[int]]:
-    return [ctx.tokenizer.encode(t) for t in texts]
+    tokenizer = ctx.need_tokenizer("a text prompt")
+    return [tokenizer.encode(t) for t in texts]
 
 
 def apply_chat_template(ctx: ServingContext, req: ChatCompletionRequest | object) -> list[int]:
-    tok = ctx.tokenizer
+    tok = ctx.need_tokenizer("chat")
     if not getattr(tok, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "unsupported")
     try:

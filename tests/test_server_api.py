@@ -263,3 +263,8 @@ def test_non_stream_disconnect_aborts(server):
         time.sleep(0.05)
     assert server.metrics()[key] == aborted + 1
     assert server.wait_blocks_free() == 0
+
+
+def test_prompt_plus_max_tokens_exactly_at_the_context_is_served(client):
+    resp = client.completions.create(model="tiny", prompt=[5] * 500, max_tokens=12, temperature=0)
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 12
