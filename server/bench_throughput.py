@@ -101,14 +101,15 @@ def parse_model_config(value: str) -> dict:
 
 
 def save_id_tokenizer(vocab_size: int, eos_token_id: int, out_dir: Path) -> None:
-    """A word-level tokenizer whose token i is the word `t{i}`: random-weight models need one for the engine
-    to detokenize, and any id in the vocabulary decodes."""
+    """A word-level tokenizer whose token i is the word `<i>`: random-weight models need one for the engine
+    to detokenize, and any id in the vocabulary decodes. (The brackets keep the EOS word, matched anywhere
+    in text as a special token, from matching inside a longer one: `<1>` is no prefix of `<17>`.)"""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=f"t{eos_token_id}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", eos_token=f"<{eos_token_id}>")
     fast.save_pretrained(out_dir)
 
 

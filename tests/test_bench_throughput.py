@@ -1,0 +1,116 @@
+"""`kvserve bench throughput`: the preset workloads are the published ones, random-weight models build from a
+config, and a whole run on a tiny model measures kvserve and transformers on the same prompts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from server import bench_throughput as bt
+
+TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256,
+               "bos_token_id": 0, "eos_token_id": 1}
+
+
+def test_wa_is_nano_vllms_workload():
+    w = bt.workload_wa()
+    assert len(w.prompts) == len(w.output_lens) == 256
+    assert w.output_tokens == 133_966  # the total the GPU issue quotes for nano-vllm's benchmark
+    assert all(100 <= len(p) <= 1024 for p in w.prompts) and all(100 <= n <= 1024 for n in w.output_lens)
+    assert all(0 <= t <= 10000 for p in w.prompts for t in p)
+    assert w.temperature == 0.6
+
+
+def test_wb_is_torch_randint_under_seed_zero():
+    w = bt.workload_wb()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        expected = torch.randint(100, 150000, (256, 512))
+    assert torch.equal(torch.tensor(w.prompts), expected)
+    assert w.output_lens == [128] * 256 and w.temperature == 0.0
+
+
+def test_cpu_smollm2_workload_shape():
+    w = bt.workload_cpu_smollm2(vocab_size=49152)
+    assert [len(p) for p in w.prompts] == [128] * 32 and w.output_lens == [64] * 32
+    assert w.temperature == 0.0 and all(0 <= t < 49152 for p in w.prompts for t in p)
+
+
+def test_qwen_shape_has_qwen2_5_0_5bs_parameter_count():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(bt.parse_model_config("qwen2.5-0.5b"))
+    assert config.pop("dtype") == "bfloat16"
+    hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768  # the published size, embeddings tied
+
+
+def test_model_config_parsing(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(TINY_CONFIG))
+    assert bt.parse_model_config(str(path)) == TINY_CONFIG
+    assert bt.parse_model_config(json.dumps(TINY_CONFIG)) == TINY_CONFIG
+    for bad in ("qwen9-1t", '{"hidden_size": 8}', "[1, 2]"):
+        with pytest.raises(ValueError):
+            bt.parse_model_config(bad)
+
+
+def test_random_model_builds_with_a_tokenizer_for_every_id(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    bt.build_random_model(TINY_CONFIG, tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).num_hidden_layers == 2
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.decode([5, 299, 17, 1]) == "<5> <299> <17> <1>"
+    assert tok.encode("<5> <299> <17> <1>", add_special_tokens=False) == [5, 299, 17, 1]
+    assert tok.eos_token_id == 1
+
+
+def _run(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "tp.json"
+    args = bt.build_parser().parse_args([*argv, "--out", str(out)])
+    assert bt.main(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_tiny_random_model_against_transformers(tmp_path, capsys):
+    result = _run(tmp_path, "--model-config", json.dumps(TINY_CONFIG), "--num-prompts", "6",
+                  "--random-input-len", "12", "--random-output-len", "6", "--random-range-ratio", "0.5",
+                  "--compare-hf", "--hf-batch-size", "4", "--repeat", "2")
+    w = result["workload"]
+    assert w["num_requests"] == 6 and 6 * 6 <= w["input_tokens"] <= 6 * 18 and w["ignore_eos"]
+    kv, hf = result["results"]
+    assert kv["name"].startswith("kvserve (torch") and hf["name"].startswith("transformers generate")
+    for r in (kv, hf):
+        assert r["output_tokens"] == w["output_tokens"] and r["input_tokens"] == w["input_tokens"]
+        assert len(r["runs_s"]) == 2 and r["elapsed_time"] > 0 and not r["notes"]
+        assert r["output_tokens_per_second"] == pytest.approx(w["output_tokens"] / r["elapsed_time"])
+        assert r["tokens_per_second"] == pytest.approx(r["total_num_tokens"] / r["elapsed_time"])
+        assert r["requests_per_second"] == pytest.approx(6 / r["elapsed_time"])
+    (name, ratio), = result["ratios"].items()
+    assert ratio == pytest.approx(kv["output_tokens_per_second"] / hf["output_tokens_per_second"])
+    table = capsys.readouterr().out
+    assert "kvserve (torch" in table and "transformers generate (static batches of 4)" in table
+
+
+def test_text_dataset_on_a_model_directory(tmp_path, tiny_model_dir):
+    jsonl = tmp_path / "w.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}.", "output_len": 3 + i}) + "\n"
+                             for i in range(4)))
+    result = _run(tmp_path, "--model", str(tiny_model_dir("qwen2")), "--dataset", str(jsonl), "--no-warmup")
+    assert result["workload"]["output_tokens"] == 3 + 4 + 5 + 6
+    (kv,) = result["results"]
+    assert kv["output_tokens"] == 18 and not kv["notes"]
+
+
+def test_bad_arguments_fail_cleanly(capsys):
+    for argv in (["--compare-hf", "vllm"], ["--repeat", "0"],
+                 ["--model", "/nonexistent/model"], ["--model", "x", "--model-config", "qwen2.5-0.5b"]):
+        assert bt.main(bt.build_parser().parse_args(argv)) == 1
+    assert "bench throughput:" in capsys.readouterr().err
