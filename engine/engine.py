@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from engine.request import FinishReason, Request, RequestError, SamplingParams, StepOutput
-from engine.runner import ModelRunner, RunnerOutput, kv_bytes_per_block
+from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,13 @@ class _Completion:
     parent_id: str
     index: int
     detok: IncrementalDetokenizer | None  # None: no text wanted (detokenize=False or no tokenizer)
+    needs_history: bool
+
+
+def needs_history(params: SamplingParams) -> bool:
+    """Whether sampling this request's next token needs all its earlier tokens on the host."""
+    return bool(params.min_tokens or params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,6 +96,10 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # outputs made between steps (aborts), returned by the next step
         self._prompt_tokens = self._generation_tokens = self._idle_violations = self._steps = 0
         self._idle_checked = True  # the invariant is checked once per busy -> idle transition
+        # Overlap host work with the device's: only a GPU runs ahead of the host.
+        self.async_scheduling = config.async_scheduling and self.device.type == "cuda"
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet collected
+        self._num_history_requests = 0  # live completions whose sampling reads every earlier token
         self._log_start()
 
     def _num_blocks_from_memory(self) -> int:
@@ -141,7 +152,8 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, child_params)
-        self._completions[child_id] = _Completion(request_id, index, detok)
+        self._completions[child_id] = _Completion(request_id, index, detok, needs_history(child_params))
+        self._num_history_requests += needs_history(child_params)
         return req
 
     def abort_request(self, request_id: str) -> None:
@@ -151,23 +163,44 @@ class LLMEngine:
                 self._pending.append(self._final_output(child_id, FinishReason.ABORT))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._completions) or bool(self._pending)
+        return bool(self._completions) or bool(self._pending) or self._inflight is not None
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedule and launch step N, then finish step N-1 while the device works on N (on CUDA, when no
+        live request needs the host to know every token before sampling the next: penalties, min_tokens)."""
         outputs, self._pending = self._pending, []
+        if self._inflight is not None and self._num_history_requests:
+            outputs += self._finish(self._inflight)
+            self._inflight = None
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
+        launched = None
+        if not sched_out.is_empty:
+            self._steps += 1
+            self._idle_checked = False
+            try:
+                launched = (sched_out, self.runner.launch(sched_out))
+            except Exception as exc:  # a failed step fails its requests, not the engine
+                logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
+                outputs += self._fail_step(sched_out, exc)
+        if self._inflight is not None:
+            outputs += self._finish(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._finish(launched)
+            self._inflight = None
+        if self._inflight is None and sched_out.is_empty:
             self._check_idle()
-            return outputs
-        self._steps += 1
-        self._idle_checked = False
+        return outputs
+
+    def _finish(self, inflight: tuple[SchedulerOutput, StepHandle]) -> list[StepOutput]:
+        sched_out, handle = inflight
         try:
-            runner_out = self.runner.execute(sched_out)
-        except Exception as exc:  # a failed step fails its requests, not the engine
+            runner_out = self.runner.collect(handle)
+        except Exception as exc:
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
-            return outputs + self._fail_step(sched_out, exc)
-        return outputs + self._postprocess(sched_out, runner_out)
+            return self._fail_step(sched_out, exc)
+        return self._postprocess(sched_out, runner_out)
 
     def _postprocess(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[StepOutput]:
         outputs = []
@@ -207,6 +240,7 @@ class LLMEngine:
 
     def _forget(self, child_id: str) -> _Completion:
         comp = self._completions.pop(child_id)
+        self._num_history_requests -= comp.needs_history
         siblings = self._children.get(comp.parent_id, [])
         if not any(s in self._completions for s in siblings):
             self._children.pop(comp.parent_id, None)

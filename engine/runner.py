@@ -23,11 +23,24 @@ class RunnerOutput:
 
 @dataclass
 class StepInputs:
-    input_ids: list[int]
+    input_ids: list[int]  # 0 where the token is still on the device (see pending)
     positions: list[int]
     seqs: list[SeqSpec]
     sample_indices: list[int]  # flat token index whose logits are sampled, one per sampling request
     sample_requests: list[Request]
+    # (flat token index, request id): inputs sampled by the previous step and not yet read back to the host
+    pending: list[tuple[int, str]]
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its sampled tokens stay on the device until collect()."""
+    request_ids: list[str]  # one per sampled row
+    requests: list[Request]
+    tokens: torch.Tensor | None  # [n] int64 on the device
+    token_lp: torch.Tensor | None  # [n, vocab] log-probs, only when some request asked for logprobs
+    host_tokens: torch.Tensor | None  # [n] pinned host copy, valid once `done` has happened
+    done: torch.cuda.Event | None
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -39,20 +52,21 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 def prepare_inputs(out: SchedulerOutput) -> StepInputs:
     """Flatten the scheduled requests into one batch, prefills first (the scheduler already ordered them)."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    seqs: list[SeqSpec] = []
-    sample_indices: list[int] = []
-    sample_requests: list[Request] = []
+    inputs = StepInputs([], [], [], [], [], [])
     for sr in out.scheduled:
+        req = sr.request
         start, end = sr.num_computed_tokens, sr.num_computed_tokens + sr.num_new_tokens
-        input_ids += sr.request.token_ids_between(start, end)
-        positions += range(start, end)
-        seqs.append(SeqSpec(context_len=start, query_len=sr.num_new_tokens, block_ids=sr.request.block_ids))
+        known = req.token_ids_between(start, end)
+        if len(known) < end - start:  # the last input was sampled by the step still in flight
+            inputs.pending.append((len(inputs.input_ids) + end - start - 1, req.request_id))
+            known.append(0)
+        inputs.input_ids += known
+        inputs.positions += range(start, end)
+        inputs.seqs.append(SeqSpec(context_len=start, query_len=sr.num_new_tokens, block_ids=req.block_ids))
         if sr.samples:
-            sample_indices.append(len(input_ids) - 1)
-            sample_requests.append(sr.request)
-    return StepInputs(input_ids, positions, seqs, sample_indices, sample_requests)
+            inputs.sample_indices.append(len(inputs.input_ids) - 1)
+            inputs.sample_requests.append(req)
+    return inputs
 
 
 class ModelRunner:
@@ -68,6 +82,7 @@ class ModelRunner:
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
         self.graphs = None
+        self._last = StepHandle([], [], None, None, None, None)  # the step launched most recently
         if use_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
             max_blocks = -(-max_model_len // block_size)
             self.graphs = CudaGraphDecoder(model, self.kv_caches, self.builder, min(max_num_seqs, 512), max_blocks,
@@ -86,22 +101,55 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> StepHandle:
+        """Queue the step's work on the device and return at once; inputs that the previous step sampled
+        are read from its device tensor, so the host never waits for them."""
         for rid in out.finished_ids:
             self.sampler.free(rid)
         inputs = prepare_inputs(out)
         input_ids = self._to_device(inputs.input_ids)  # [num_tokens]
         positions = self._to_device(inputs.positions)  # [num_tokens]
+        if inputs.pending:
+            self._fill_pending(input_ids, inputs.pending)
         if self.graphs is not None and self.graphs.can_run(inputs.seqs):
             hidden = self.graphs.run(input_ids, positions, inputs.seqs)  # [num_tokens, hidden]
         else:
             meta = self.builder.build(inputs.seqs)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        if not inputs.sample_requests:
-            return RunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[self._to_device(inputs.sample_indices)])  # [n, vocab]
-        sampled = self.sampler(logits, inputs.sample_requests)
         ids = [r.request_id for r in inputs.sample_requests]
-        logprobs = {rid: lp for rid, lp in zip(ids, sampled.logprobs) if lp is not None}
-        return RunnerOutput(dict(zip(ids, sampled.token_ids)), logprobs)
+        handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
+        if ids:
+            logits = self.model.compute_logits(hidden[self._to_device(inputs.sample_indices)])  # [n, vocab]
+            handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, inputs.sample_requests)
+            if self.device.type == "cuda":
+                handle.host_tokens = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
+                handle.host_tokens.copy_(handle.tokens, non_blocking=True)
+                handle.done = torch.cuda.Event()
+                handle.done.record()
+        self._last = handle
+        return handle
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
+        last = self._last
+        row_of = {rid: i for i, rid in enumerate(last.request_ids)}
+        dst = self._to_device([i for i, _ in pending])
+        src = self._to_device([row_of[rid] for _, rid in pending])
+        input_ids[dst] = last.tokens[src]
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step and read its sampled tokens (and logprobs) on the host."""
+        if not handle.request_ids:
+            return RunnerOutput({}, {})
+        if handle.token_lp is None and handle.done is not None:
+            handle.done.synchronize()
+            token_ids = handle.host_tokens.tolist()
+            return RunnerOutput(dict(zip(handle.request_ids, token_ids)), {})
+        with torch.inference_mode():
+            sampled = self.sampler.to_host(handle.tokens, handle.token_lp,
+                                           [r.sampling_params for r in handle.requests])
+        logprobs = {rid: lp for rid, lp in zip(handle.request_ids, sampled.logprobs) if lp is not None}
+        return RunnerOutput(dict(zip(handle.request_ids, sampled.token_ids)), logprobs)

@@ -37,16 +37,25 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        # logits: [n, vocab]
+        tokens, token_lp = self.sample_on_device(logits, requests)
+        return self.to_host(tokens, token_lp, [r.sampling_params for r in requests])
+
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [n, vocab] -> (tokens [n] int64, log-probs [n, vocab] or None), without waiting for the
+        device: the runner launches the next step before it reads these."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
-        params = [r.sampling_params for r in requests]
         logits = process_logits(logits.float(), requests)
         tokens = self._choose(logits, requests)  # [n] int64 on the logits' device
-        if all(p.logprobs is None for p in params):
+        if all(r.sampling_params.logprobs is None for r in requests):
+            return tokens, None
+        return tokens, torch.log_softmax(logits, dim=-1)  # before temperature / truncation
+
+    @staticmethod
+    def to_host(tokens: torch.Tensor, token_lp: torch.Tensor | None, params: list[SamplingParams]) -> SamplerOutput:
+        if token_lp is None:
             return SamplerOutput(tokens.tolist(), [None] * len(params))
-        token_lp = torch.log_softmax(logits, dim=-1)  # [n, vocab], before temperature / truncation
-        token_ids, logprobs = gather_logprobs(token_lp, tokens, params)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(*gather_logprobs(token_lp, tokens, params))
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
