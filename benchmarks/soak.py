@@ -1,0 +1,522 @@
+"""Soak test: thousands of mixed requests against one kvserve server, then check that nothing leaked.
+
+    python benchmarks/soak.py                       # starts `python -m server serve` on the embedded default
+    python benchmarks/soak.py --base-url http://127.0.0.1:8000 --server-pid 1234
+    python benchmarks/soak.py --model /path/to/tiny --num-requests 200 --json-out soak.json
+
+The mix: random sampling parameters (temperature, top-p/k, min-p, penalties, seeds, n, stop strings,
+logprobs, echo, logit bias), completions and chat, streaming and not, text and token-id prompts;
+--disconnect-frac of the requests hang up at a random moment, --invalid-frac are invalid and must get
+their documented 4xx. Reported, and the exit status is 0 only when all three hold:
+  * unexpected failures (anything but the expected outcome of each request) == 0
+  * leaked KV blocks (`kvserve_kv_blocks_used` once the server is idle again) == 0,
+    and no idle-invariant violation (`kvserve_idle_invariant_violations_total`)
+  * resident memory of the server process grows by less than --max-rss-growth (10%) from after the
+    warm-up to the end
+Bounded in time: every request has a timeout and the whole run stops at --time-limit.
+Only a client: it imports nothing of kvserve.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every bold jumping zebra "
+         "under grey skies rivers run to the sea and all the kings men could not mend it again").split()
+
+
+# ------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Spec:
+    """One planned request."""
+    index: int
+    kind: str  # "valid" | "disconnect" | "invalid"
+    path: str  # "/v1/completions" | "/v1/chat/completions"
+    body: dict | None  # JSON body; None when `raw` is sent instead
+    raw: bytes | None = None
+    stream: bool = False
+    expect_status: int = 200
+    expect_code: str | None = None
+    hangup: str = ""  # disconnects: "before_first_token" | "mid_stream" | "non_streaming"
+    hangup_after: float = 0.0  # seconds (non-streaming) or events (mid-stream)
+
+
+def _text(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def _sampling(rng: random.Random, max_tokens: int) -> dict:
+    body = {"max_tokens": rng.randint(1, max_tokens),
+            "temperature": rng.choice([0.0, 0.0, 0.5, 0.8, 1.0, 1.3]),
+            "top_p": rng.choice([1.0, 1.0, 0.9, 0.5, 0.1]),
+            "top_k": rng.choice([-1, -1, 0, 1, 5, 40]),
+            "min_p": rng.choice([0.0, 0.0, 0.05, 0.2]),
+            "presence_penalty": rng.choice([0.0, 0.0, 0.5, -0.5, 1.5]),
+            "frequency_penalty": rng.choice([0.0, 0.0, 0.3, -0.3]),
+            "repetition_penalty": rng.choice([1.0, 1.0, 1.1, 0.9]),
+            "n": rng.choice([1, 1, 1, 2, 3])}
+    if rng.random() < 0.5:
+        body["seed"] = rng.randrange(2 ** 31)
+    if rng.random() < 0.2:
+        body["stop"] = rng.choice([".", "\n", [" the", " a"], ["ing"]])
+    if rng.random() < 0.15:
+        body["ignore_eos"] = True
+    if rng.random() < 0.1:
+        body["min_tokens"] = rng.randint(0, body["max_tokens"])
+    if rng.random() < 0.1:
+        body["logit_bias"] = {str(rng.randrange(100, 1000)): rng.choice([-100.0, -5.0, 5.0])}
+    return body
+
+
+def valid_spec(rng: random.Random, index: int, model: str | None, max_tokens: int) -> Spec:
+    body = _sampling(rng, max_tokens)
+    if model:
+        body["model"] = model
+    stream = rng.random() < 0.5
+    if stream:
+        body["stream"] = True
+        if rng.random() < 0.5:
+            body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.3:
+        body["messages"] = [{"role": "user", "content": _text(rng, 1, 30)}]
+        if rng.random() < 0.2:
+            body["logprobs"], body["top_logprobs"] = True, rng.randint(0, 5)
+        return Spec(index, "valid", "/v1/chat/completions", body, stream=stream)
+    shape = rng.random()
+    if shape < 0.6:
+        body["prompt"] = _text(rng, 1, 60)
+    elif shape < 0.8:
+        body["prompt"] = [rng.randrange(100, 1000) for _ in range(rng.randint(1, 100))]
+    else:
+        body["prompt"], body["n"] = [_text(rng, 1, 20) for _ in range(rng.randint(2, 3))], 1
+    if rng.random() < 0.2:
+        body["logprobs"] = rng.randint(0, 5)
+    elif rng.random() < 0.1:
+        body["echo"] = True
+    return Spec(index, "valid", "/v1/completions", body, stream=stream)
+
+
+def disconnect_spec(rng: random.Random, index: int, model: str | None) -> Spec:
+    # Long enough (ignore_eos) that the hang-up usually comes while the request is still running.
+    body = {"prompt": _text(rng, 5, 150), "max_tokens": 256, "ignore_eos": True,
+            "temperature": rng.choice([0.0, 1.0])}
+    if model:
+        body["model"] = model
+    hangup = rng.choice(["before_first_token", "mid_stream", "non_streaming"])
+    stream = hangup != "non_streaming"
+    if stream:
+        body["stream"] = True
+    after = rng.uniform(0.0, 0.5) if hangup == "non_streaming" else float(rng.randint(1, 8))
+    return Spec(index, "disconnect", "/v1/completions", body, stream=stream, hangup=hangup, hangup_after=after)
+
+
+def invalid_cases(model: str | None) -> list[tuple[str, dict | None, bytes | None, int, str]]:
+    """(path, body, raw body, expected status, expected code)."""
+    m = {"model": model} if model else {}
+    c, chat = "/v1/completions", "/v1/chat/completions"
+    return [
+        (c, {**m, "prompt": "hi", "temperature": -1}, None, 400, "invalid_value"),
+        (c, {**m, "prompt": "hi", "max_tokens": 0}, None, 400, "invalid_value"),
+        (c, {**m, "prompt": "hi", "max_tokens": "16"}, None, 400, "invalid_type"),
+        (c, {**m, "prompt": "hi", "top_p": 0}, None, 400, "invalid_value"),
+        (c, {**m, "prompt": "hi", "n": 0}, None, 400, "invalid_value"),
+        (c, {**m, "prompt": "hi", "logprobs": 21}, None, 400, "invalid_value"),
+        (c, {**m, "prompt": []}, None, 400, "invalid_value"),
+        (c, {**m, "prompt": [10 ** 9]}, None, 400, "invalid_value"),
+        (c, {"prompt": "hi", "model": "no-such-model"}, None, 404, "model_not_found"),
+        (c, None, b'{"prompt": "hi", ', 400, "invalid_json"),
+        (chat, {**m, "messages": []}, None, 400, "invalid_value"),
+        (chat, {**m, "messages": [{"role": "wizard", "content": "hi"}]}, None, 400, "invalid_type"),
+    ]
+
+
+def invalid_spec(rng: random.Random, index: int, model: str | None) -> Spec:
+    path, body, raw, status, code = rng.choice(invalid_cases(model))
+    return Spec(index, "invalid", path, body, raw=raw, expect_status=status, expect_code=code)
+
+
+def make_plan(num: int, seed: int, model: str | None, disconnect_frac: float, invalid_frac: float,
+              max_tokens: int) -> list[Spec]:
+    rng = random.Random(seed)
+    plan = []
+    for i in range(num):
+        r = rng.random()
+        if r < disconnect_frac:
+            plan.append(disconnect_spec(rng, i, model))
+        elif r < disconnect_frac + invalid_frac:
+            plan.append(invalid_spec(rng, i, model))
+        else:
+            plan.append(valid_spec(rng, i, model, max_tokens))
+    return plan
+
+
+# ------------------------------------------------------------------------------------------- running
+
+
+@dataclass
+class Outcome:
+    index: int
+    kind: str
+    ok: bool
+    detail: str = ""
+    seconds: float = 0.0
+
+
+def _check_choices(data: dict, spec: Spec) -> str:
+    """'' when a non-streamed 200 body is complete and sane, else what is wrong."""
+    choices = data.get("choices")
+    prompts = spec.body.get("prompt") if spec.body else None
+    num_prompts = len(prompts) if isinstance(prompts, list) and prompts and isinstance(prompts[0], str) else 1
+    want = spec.body.get("n", 1) * num_prompts
+    if not isinstance(choices, list) or len(choices) != want:
+        return f"expected {want} choices, got {choices if not isinstance(choices, list) else len(choices)}"
+    bad = [c.get("finish_reason") for c in choices if c.get("finish_reason") not in ("stop", "length")]
+    if bad:
+        return f"finish_reason {bad}"
+    usage = data.get("usage") or {}
+    if usage.get("completion_tokens", 0) > spec.body["max_tokens"] * want:
+        return f"usage {usage} beyond max_tokens"
+    return ""
+
+
+def _request_args(spec: Spec) -> dict:
+    if spec.raw is not None:
+        return {"content": spec.raw, "headers": {"content-type": "application/json"}}
+    return {"json": spec.body}
+
+
+async def run_plain(client: httpx.AsyncClient, spec: Spec) -> str:
+    resp = await client.post(spec.path, **_request_args(spec))
+    if spec.kind == "invalid":
+        code = _error_code(resp)
+        if resp.status_code != spec.expect_status or code != spec.expect_code:
+            return f"expected {spec.expect_status} {spec.expect_code}, got {resp.status_code} {code}"
+        return ""
+    if resp.status_code != 200:
+        return f"status {resp.status_code}: {resp.text[:200]}"
+    return _check_choices(resp.json(), spec)
+
+
+def _error_code(resp: httpx.Response) -> str | None:
+    try:
+        return resp.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+async def run_stream(client: httpx.AsyncClient, spec: Spec) -> str:
+    async with client.stream("POST", spec.path, json=spec.body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return f"status {resp.status_code}: {resp.text[:200]}"
+        finished, done = set(), False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                return f"stream error event {event['error']}"
+            for choice in event.get("choices", []):
+                if choice.get("finish_reason") is not None:
+                    finished.add(choice["index"])
+                    if choice["finish_reason"] not in ("stop", "length"):
+                        return f"finish_reason {choice['finish_reason']}"
+    return "" if done and finished else f"stream ended early (done={done}, finished={sorted(finished)})"
+
+
+async def run_disconnect(client: httpx.AsyncClient, spec: Spec) -> str:
+    """Hang up at the planned moment. Only a 5xx seen before hanging up is a failure."""
+    if spec.hangup == "non_streaming":
+        try:
+            resp = await asyncio.wait_for(client.post(spec.path, json=spec.body), timeout=spec.hangup_after)
+        except asyncio.TimeoutError:
+            return ""
+        return f"status {resp.status_code}" if resp.status_code >= 500 else ""
+    async with client.stream("POST", spec.path, json=spec.body) as resp:
+        if resp.status_code >= 500:
+            return f"status {resp.status_code}"
+        if spec.hangup == "before_first_token":
+            return ""  # leaving the block unread closes the connection
+        events = 0
+        async for line in resp.aiter_lines():
+            if line.startswith("data: "):
+                if "\"error\"" in line:
+                    return f"stream error event before hanging up: {line[:200]}"
+                events += 1
+                if events >= spec.hangup_after:
+                    break
+    return ""
+
+
+async def run_one(client: httpx.AsyncClient, spec: Spec, timeout: float) -> Outcome:
+    start = time.monotonic()
+    try:
+        if spec.kind == "disconnect":
+            coro = run_disconnect(client, spec)
+        elif spec.stream:
+            coro = run_stream(client, spec)
+        else:
+            coro = run_plain(client, spec)
+        detail = await asyncio.wait_for(coro, timeout=timeout)
+    except asyncio.TimeoutError:
+        detail = f"no answer within {timeout:.0f} s"
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        detail = f"{type(exc).__name__}: {exc}"
+    return Outcome(spec.index, spec.kind, not detail, detail, time.monotonic() - start)
+
+
+async def run_plan(base_url: str, plan: list[Spec], concurrency: int, timeout: float, time_limit: float,
+                   progress: bool) -> list[Outcome]:
+    queue: asyncio.Queue[Spec] = asyncio.Queue()
+    for spec in plan:
+        queue.put_nowait(spec)
+    outcomes: list[Outcome] = []
+    bar = tqdm(total=len(plan), desc="soak", disable=not progress, unit="req")
+    deadline = time.monotonic() + time_limit
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+        async def worker() -> None:
+            while not queue.empty() and time.monotonic() < deadline:
+                spec = queue.get_nowait()
+                outcomes.append(await run_one(client, spec, min(timeout, max(1.0, deadline - time.monotonic()))))
+                bar.update(1)
+                if not outcomes[-1].ok:
+                    bar.set_postfix(failures=sum(not o.ok for o in outcomes))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    bar.close()
+    done = {o.index for o in outcomes}
+    outcomes += [Outcome(s.index, s.kind, False, "not run: time limit reached") for s in plan if s.index not in done]
+    return outcomes
+
+
+# ------------------------------------------------------------------------------------------- the server
+
+
+def read_metrics(client: httpx.Client) -> dict[str, float]:
+    """Unlabelled samples by name, labelled ones as name{k=v,...}."""
+    out = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(client: httpx.Client, timeout: float) -> dict[str, float]:
+    """The metrics once nothing runs or waits (or the last read at the timeout)."""
+    end = time.monotonic() + timeout
+    while True:
+        m = read_metrics(client)
+        idle = m.get("kvserve_requests_running", 0) == 0 and m.get("kvserve_requests_waiting", 0) == 0
+        if (idle and m.get("kvserve_kv_blocks_used", 0) == 0) or time.monotonic() > end:
+            return m
+        time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m server serve` on a free loopback port; its output goes to a log file."""
+
+    def __init__(self, model: str | None, extra_args: list[str], startup_timeout: float):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-soak-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), "--log-level", "warning"]
+        cmd += (["--model", model] if model else []) + extra_args
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the server was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-chars:]
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def rss(pid: int | None) -> int | None:
+    try:
+        return psutil.Process(pid).memory_info().rss if pid else None
+    except psutil.Error:
+        return None
+
+
+# ------------------------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Report:
+    num_requests: int
+    by_kind: dict[str, int]
+    unexpected_failures: int
+    failures: list[dict]  # the first few, for the eye
+    leaked_blocks: float
+    idle_invariant_violations: float
+    rss_start_bytes: int | None
+    rss_end_bytes: int | None
+    rss_growth: float | None
+    elapsed_s: float
+    requests_per_s: float
+    finished_by_reason: dict[str, float]
+    server_healthy_after: bool
+    criteria: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(self.criteria.values())
+
+
+def make_report(plan, outcomes, metrics_end, rss_start, rss_end, elapsed, healthy, max_growth) -> Report:
+    failed = sorted((o for o in outcomes if not o.ok), key=lambda o: o.index)
+    kinds = {k: sum(s.kind == k for s in plan) for k in ("valid", "disconnect", "invalid")}
+    growth = None if not rss_start or rss_end is None else (rss_end - rss_start) / rss_start
+    reasons = {k.split("reason=")[1].rstrip("}"): v for k, v in metrics_end.items()
+               if k.startswith("kvserve_requests_finished_total{")}
+    report = Report(len(plan), kinds, len(failed), [asdict(o) for o in failed[:20]],
+                    metrics_end.get("kvserve_kv_blocks_used", float("nan")),
+                    metrics_end.get("kvserve_idle_invariant_violations_total", float("nan")),
+                    rss_start, rss_end, growth, elapsed, len(plan) / elapsed if elapsed else 0.0, reasons, healthy)
+    report.criteria = {"no_unexpected_failures": not failed,
+                       "no_leaked_blocks": report.leaked_blocks == 0 and report.idle_invariant_violations == 0,
+                       "rss_growth_ok": growth is None or growth < max_growth,
+                       "healthy_after": healthy}
+    return report
+
+
+def print_table(r: Report) -> None:
+    mib = lambda b: "n/a" if b is None else f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
+    rows = [("requests", f"{r.num_requests} ({', '.join(f'{k} {v}' for k, v in r.by_kind.items())})"),
+            ("unexpected failures", str(r.unexpected_failures)),
+            ("leaked KV blocks (idle)", f"{r.leaked_blocks:g}"),
+            ("idle-invariant violations", f"{r.idle_invariant_violations:g}"),
+            ("RSS start -> end", f"{mib(r.rss_start_bytes)} -> {mib(r.rss_end_bytes)}"),
+            ("RSS growth", "n/a" if r.rss_growth is None else f"{100 * r.rss_growth:+.2f}%"),
+            ("finished by reason", ", ".join(f"{k} {v:g}" for k, v in sorted(r.finished_by_reason.items()))),
+            ("elapsed", f"{r.elapsed_s:.1f} s ({r.requests_per_s:.1f} req/s)"),
+            ("healthy after", str(r.server_healthy_after)),
+            ("PASSED" if r.passed else "FAILED", ", ".join(k for k, ok in r.criteria.items() if not ok) or "all")]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    for f in r.failures:
+        print(f"  failure #{f['index']} ({f['kind']}): {f['detail']}")
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default=None, help="an already running server (default: start one)")
+    p.add_argument("--server-pid", type=int, default=None, help="with --base-url: the pid whose RSS to watch")
+    p.add_argument("--model", default=None, help="model for the started server (default: the embedded SmolLM2)")
+    p.add_argument("--served-model-name", default=None, help="model name to send (default: none, allowed)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra flag for the started server")
+    p.add_argument("--num-requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--disconnect-frac", type=float, default=0.10)
+    p.add_argument("--invalid-frac", type=float, default=0.05)
+    p.add_argument("--max-tokens", type=int, default=48, help="largest max_tokens of a valid request")
+    p.add_argument("--warmup", type=int, default=20, help="valid requests before RSS is first measured")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--max-rss-growth", type=float, default=0.10)
+    p.add_argument("--json-out", default="soak.json")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def soak(args: argparse.Namespace, base_url: str, pid: int | None) -> Report:
+    model = args.served_model_name
+    warm = make_plan(args.warmup, args.seed + 1, model, 0.0, 0.0, args.max_tokens)
+    asyncio.run(run_plan(base_url, warm, args.concurrency, args.request_timeout, args.time_limit, False))
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        wait_idle(client, 60)
+        rss_start = rss(pid)
+        plan = make_plan(args.num_requests, args.seed, model, args.disconnect_frac, args.invalid_frac,
+                         args.max_tokens)
+        start = time.monotonic()
+        outcomes = asyncio.run(run_plan(base_url, plan, args.concurrency, args.request_timeout,
+                                        args.time_limit, not args.no_progress))
+        elapsed = time.monotonic() - start
+        metrics_end = wait_idle(client, 60)
+        rss_end = rss(pid)
+        healthy = client.get("/health").status_code == 200
+    return make_report(plan, outcomes, metrics_end, rss_start, rss_end, elapsed, healthy, args.max_rss_growth)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    server = None
+    if args.base_url is None:
+        print(f"starting a server ({args.model or 'the embedded default'}) ...", file=sys.stderr)
+        server = ServerProcess(args.model, args.server_arg, args.startup_timeout)
+    base_url = args.base_url or server.base_url
+    pid = args.server_pid if server is None else server.proc.pid
+    try:
+        report = soak(args, base_url, pid)
+    finally:
+        exit_code = server.stop() if server is not None else None
+    result = {**asdict(report), "passed": report.passed, "server_exit_code": exit_code,
+              "args": {k: v for k, v in vars(args).items()}}
+    Path(args.json_out).write_text(json.dumps(result, indent=2))
+    print_table(report)
+    if server is not None and exit_code != 0:
+        print(f"the server exited with {exit_code}:\n{server.log_tail()}", file=sys.stderr)
+    print(f"wrote {args.json_out}")
+    return 0 if report.passed and exit_code in (0, None) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
