@@ -348,3 +348,47 @@ def test_plot_has_four_panels_and_is_a_png(standin, tmp_path):
     assert len(titles) == 4
     assert [t.split()[0] for t in titles] == ["TTFT", "ITL", "E2EL", "Output"]
     assert all(ax.lines for ax in fig.axes)  # every panel has data drawn
+
+
+# --------------------------------------------------------------------------------------- the real kvserve
+
+
+@pytest.fixture(scope="module")
+def kvserve_url(tiny_model_dir):
+    from tests.server_utils import ServerThread
+
+    with ServerThread(tiny_model_dir("llama"), max_model_len=256) as server:
+        yield server.base_url
+
+
+def test_real_server_thirty_requests_finite_rate_and_capped_inf(kvserve_url, tiny_model_dir, tmp_path):
+    common = ["--num-prompts", "30", "--random-input-len", "16", "--random-output-len", "6",
+              "--random-range-ratio", "0.5"]
+    # Token-id prompts (no tokenizer), arriving as a Poisson process at 30 requests/s.
+    rc, finite = run_bench(kvserve_url, tmp_path, *common, "--request-rate", "30", name="finite")
+    assert rc == 0
+    check_complete_run(finite, 30)
+    assert finite["model_id"]  # found through /v1/models
+    sent = [len(r.prompt) for r in random_requests(30, 16, 6, 0.5, seed=0)]
+    assert finite["input_lens"] == sent  # the server's usage.prompt_tokens agrees with what was sent
+    # Text prompts (vLLM's way, through the model's tokenizer), all at once, at most 10 in flight.
+    rc, capped = run_bench(kvserve_url, tmp_path, *common, "--max-concurrency", "10", "--tokenizer",
+                           str(tiny_model_dir("llama")), "--plot", str(tmp_path / "real.png"), name="capped")
+    assert rc == 0
+    check_complete_run(capped, 30)
+    assert 1 <= capped["max_concurrent_requests"] <= 10
+    assert (tmp_path / "real.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_real_server_rejections_are_counted(kvserve_url, tmp_path):
+    rows = [{"prompt": [5, 6, 7, 8], "output_len": 4}, {"prompt": [10**9], "output_len": 4},  # id out of vocab
+            {"prompt": list(range(100, 400)), "output_len": 4},  # longer than max_model_len 256
+            {"prompt": "a text prompt", "output_len": 4}]
+    jsonl = tmp_path / "mixed.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, result = run_bench(kvserve_url, tmp_path, "--dataset", str(jsonl))
+    assert rc == 0
+    assert (result["completed"], result["failed"]) == (2, 2)
+    assert [bool(e) for e in result["errors"]] == [False, True, True, False]
+    assert all("HTTP 400" in e for e in result["errors"] if e)
+    assert result["output_lens"] == [4, 0, 0, 4]
