@@ -342,6 +342,8 @@ class AsyncEngine:
                 self._shutdown()
                 return
             self._apply_all(commands)
+            if commands:  # queue lengths move with adds and aborts, not only with steps
+                self._stats = self.engine.stats()
             if self.engine.has_unfinished_requests():
                 busy = True
                 failures = self._step(failures)

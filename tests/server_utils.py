@@ -86,13 +86,15 @@ class ServerThread:
         return parse_metrics(httpx.get(self.url("/metrics"), timeout=10).text)
 
     def wait_blocks_free(self, timeout: float = 20.0) -> float:
-        """Waits for kvserve_kv_blocks_used to reach 0; returns the last value seen."""
+        """Waits until the engine is idle (nothing running or waiting) and returns kvserve_kv_blocks_used then
+        (the last value seen on a timeout): the number of blocks an idle server leaked."""
         deadline = time.monotonic() + timeout
-        used = self.metrics()["kvserve_kv_blocks_used"]
-        while used != 0 and time.monotonic() < deadline:
+        while True:
+            m = self.metrics()
+            busy = m["kvserve_requests_running"] + m["kvserve_requests_waiting"] + m["kvserve_kv_blocks_used"]
+            if busy == 0 or time.monotonic() > deadline:
+                return m["kvserve_kv_blocks_used"]
             time.sleep(0.05)
-            used = self.metrics()["kvserve_kv_blocks_used"]
-        return used
 
 
 def parse_metrics(text: str) -> dict[str, float]:
