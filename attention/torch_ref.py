@@ -60,17 +60,17 @@ class TorchAttentionImpl(AttentionImpl):
 
     def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:
         # q [q_len, H, D]; k, v [seq_len, KVH, D]. Query i sits at position context_len + i.
-        group = self.num_heads // self.num_kv_heads
-        qh = q.transpose(0, 1).float()  # [H, q_len, D]
-        kh = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [H, seq_len, D]
-        vh = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        if context_len == 0:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
-        else:
+        # 4-D inputs: SDPA's fused CPU kernels take only those (3-D falls back to the slow math path).
+        qh = q.transpose(0, 1).float()[None]  # [1, H, q_len, D]
+        kh = k.transpose(0, 1).float()[None]  # [1, KVH, seq_len, D]
+        vh = v.transpose(0, 1).float()[None]
+        mask = None
+        if context_len > 0:
             q_pos = torch.arange(q.shape[0], device=q.device) + context_len
             mask = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
-        return o.transpose(0, 1).to(q.dtype)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                           enable_gqa=True)
+        return o[0].transpose(0, 1).to(q.dtype)
 
     def _decodes(self, q: torch.Tensor, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         # q [D, H, dim] -> [D, H, dim]. A GQA group's query heads become SDPA's query rows against its
