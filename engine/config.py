@@ -24,7 +24,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
-    async_scheduling: bool = True  # on CUDA: schedule step N+1 while the GPU runs step N
+    # Schedule step N+1 while the device runs step N. None: on CUDA only (on the CPU nothing overlaps;
+    # True there still runs the same pipeline, which tests use).
+    async_scheduling: bool | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks on random-weight models)
 

@@ -97,7 +97,8 @@ class LLMEngine:
         self._prompt_tokens = self._generation_tokens = self._idle_violations = self._steps = 0
         self._idle_checked = True  # the invariant is checked once per busy -> idle transition
         # Overlap host work with the device's: only a GPU runs ahead of the host.
-        self.async_scheduling = config.async_scheduling and self.device.type == "cuda"
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet collected
         self._num_history_requests = 0  # live completions whose sampling reads every earlier token
         self._log_start()

@@ -81,12 +81,15 @@ class KVCacheManager:
         request.block_ids.extend(self.pool.allocate(num_new_blocks))
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: Request, num_computed: int | None = None) -> None:
         """Register the request's blocks that are now full of computed tokens (prompt or generated).
         Call it after the step that computed them ran, never before: a hit must find K/V already written."""
         if not self.pool.enable_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # `num_computed`: what the finished step computed (later steps may already be scheduled); and only
+        # blocks whose token values the host knows.
+        num_computed = request.num_computed_tokens if num_computed is None else num_computed
+        num_full = min(num_computed, request.num_tokens) // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return

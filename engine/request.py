@@ -128,6 +128,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache (or scheduled to be, this step). Advanced at schedule time.
     num_computed_tokens: int = 0
+    # Tokens sampled by a step whose results the host has not read yet (0 or 1): with async scheduling the
+    # next step is scheduled, and computes them, before update() appends their values.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

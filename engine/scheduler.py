@@ -29,16 +29,18 @@ from engine.kv_manager import KVCacheManager, cdiv
 from engine.request import FinishReason, Request, RequestError, RequestStatus
 
 
+def _num_tokens_to_compute(request: Request) -> int:
+    return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # context_len: tokens already in the KV cache before this step
     num_new_tokens: int  # query_len: tokens computed this step
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    # This step reaches the end of the request's tokens (pending ones included), so it samples a new one.
+    # Fixed at schedule time: update() may run after later steps were scheduled.
+    samples: bool = False
 
 
 @dataclass
@@ -150,15 +152,30 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new > 0:
+            num_new = min(_num_tokens_to_compute(request), budget)
+            if num_new > 0 and not self._will_finish(request):
                 if not self._allocate_or_preempt(request, num_new, preempted):
                     break  # it preempted itself: it was the last one
-                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new))
                 request.num_computed_tokens += num_new
                 budget -= num_new
             i += 1
         return budget
+
+    @staticmethod
+    def _scheduled(request: Request, num_computed: int, num_new: int) -> ScheduledRequest:
+        samples = num_computed + num_new == request.num_tokens + request.num_pending_tokens
+        request.num_pending_tokens += samples
+        return ScheduledRequest(request, num_computed, num_new, samples)
+
+    def _will_finish(self, request: Request) -> bool:
+        """A pending token that is certain to end the request by length: nothing more to compute for it."""
+        if not request.num_pending_tokens:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        num_out = len(request.output_token_ids) + request.num_pending_tokens
+        return (max_tokens is not None and num_out >= max_tokens) or (
+            request.num_tokens + request.num_pending_tokens >= self.max_seq_len)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
         # Victims come from the end of `running`, after `request`: none was scheduled yet in this step.
@@ -184,6 +201,8 @@ class Scheduler:
         skipped: list[Request] = []  # waiting on a sibling's prompt: they keep their place in line
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted while its last token was in flight: admitted after update() reads it
             if self._waits_for_sibling(request, step_tokens):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -219,7 +238,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit + num_new
         self.running.append(request)
-        return ScheduledRequest(request, num_hit, num_new)
+        return self._scheduled(request, num_hit, num_new)
 
     # ---- update ---------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -230,11 +249,14 @@ class Scheduler:
             request = sr.request
             if self.requests.get(request.request_id) is not request:
                 continue  # finished (aborted) since it was scheduled
-            samples = sr.samples  # read before the append below changes num_tokens
-            self.kv.cache_full_blocks(request)
-            if not samples or request.request_id not in sampled:
+            if sr.samples:
+                request.num_pending_tokens -= 1
+                if request.request_id in sampled:
+                    request.output_token_ids.append(sampled[request.request_id])
+            if request.status == RequestStatus.RUNNING:  # not preempted since: its blocks are still its own
+                self.kv.cache_full_blocks(request, sr.num_computed_tokens + sr.num_new_tokens)
+            if not sr.samples or request.request_id not in sampled:
                 continue
-            request.output_token_ids.append(sampled[request.request_id])
             stop = self._stop_condition(request)
             if stop is not None:
                 self._finish(request, *stop)
