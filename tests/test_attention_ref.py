@@ -13,20 +13,20 @@ from attention.torch_ref import TorchAttentionBackend
 
 
 def naive_attention(batch, num_heads: int, scale: float) -> torch.Tensor:
-    """Token by token in float64: query i of a sequence sees its keys 0 .. context_len + i."""
-    out = torch.zeros(batch.query.shape, dtype=torch.float64)
-    token = 0
+    """Dense, per sequence, in float64: query i of a sequence sees its keys 0 .. context_len + i."""
+    outs, start = [], 0
     for spec, keys, values in zip(batch.specs, batch.full_keys, batch.full_values):
         group = num_heads // keys.shape[1]
         k = keys.double().repeat_interleave(group, dim=1)  # [seq_len, H, D]
         v = values.double().repeat_interleave(group, dim=1)
-        for i in range(spec.query_len):
-            visible = spec.context_len + i + 1
-            q = batch.query[token].double()  # [H, D]
-            scores = torch.einsum("hd,khd->hk", q, k[:visible]) * scale
-            out[token] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[:visible])
-            token += 1
-    return out
+        q = batch.query[start:start + spec.query_len].double()  # [q_len, H, D]
+        start += spec.query_len
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        visible = torch.arange(spec.seq_len)[None, :] <= spec.context_len + torch.arange(spec.query_len)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+    padding = torch.zeros(batch.query.shape[0] - start, *batch.query.shape[1:], dtype=torch.float64)
+    return torch.cat(outs + [padding])
 
 
 def run_torch_backend(batch, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
