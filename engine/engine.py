@@ -13,11 +13,12 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from engine.request import FinishReason, Request, RequestError, SamplingParams, StepOutput
-from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block
+from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block, profile_step_peak_bytes
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
+CUDA_GRAPH_RESERVE = 512 << 20  # bytes kept back for captured graphs' private memory pool
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,7 +86,7 @@ class LLMEngine:
                                                         config.block_size)
         self.backend_name = self.backend.name
         model = load_model(path, self.hf_config, self.dtype, self.device, self.backend)
-        self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
+        self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_from_memory(model)
         self.runner = ModelRunner(model, self.hf_config, self.backend, self.device, self.dtype,
                                   self.num_kv_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
                                   use_cuda_graphs=not config.enforce_eager)
@@ -103,22 +104,19 @@ class LLMEngine:
         self._num_history_requests = 0  # live completions whose sampling reads every earlier token
         self._log_start()
 
-    def _num_blocks_from_memory(self) -> int:
+    def _num_blocks_from_memory(self, model) -> int:
         per_block = kv_bytes_per_block(self.hf_config, self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.gpu_memory_utilization) - self._activation_reserve()
-        else:
-            budget = self.config.kv_cache_memory_bytes
-        return max(2, int(budget // per_block))
-
-    def _activation_reserve(self) -> int:
-        # Peak activations of a maximal step: logits of max_num_seqs rows plus a few hidden-sized buffers.
+        if self.device.type != "cuda":
+            return max(2, self.config.kv_cache_memory_bytes // per_block)
         c = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        logits = c.max_num_seqs * self.vocab_size * 4 * 3
-        hidden = c.max_num_batched_tokens * (self.hf_config.intermediate_size * 3 + self.hf_config.hidden_size * 8)
-        return logits + hidden * elem + (512 << 20)
+        peak = profile_step_peak_bytes(model, self.hf_config, self.backend, self.device, self.dtype, c.block_size,
+                                       c.max_num_batched_tokens, c.max_num_seqs)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # What the process and others already use, plus a maximal step's peak, plus room for CUDA graphs.
+        budget = total * c.gpu_memory_utilization - (total - free) - peak - CUDA_GRAPH_RESERVE
+        logger.info("KV sizing: %.2f GiB in use, step peak %.2f GiB, KV budget %.2f GiB", (total - free) / 2**30,
+                    peak / 2**30, budget / 2**30)
+        return max(2, int(budget // per_block))
 
     def _log_start(self) -> None:
         c = self.config

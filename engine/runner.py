@@ -69,6 +69,37 @@ def prepare_inputs(out: SchedulerOutput) -> StepInputs:
     return inputs
 
 
+@torch.inference_mode()
+def profile_step_peak_bytes(model, hf_config, backend, device: torch.device, dtype: torch.dtype, block_size: int,
+                            num_tokens: int, num_seqs: int) -> int:
+    """Peak device memory a maximal step allocates beyond the weights: a prefill of `num_tokens` tokens,
+    then logits and sampling for `num_seqs` rows. The KV pool is sized with what is left."""
+    num_blocks = -(-num_tokens // block_size)
+    kv = _allocate_kv(backend, hf_config, dtype, device, num_blocks, block_size)
+    meta = AttentionMetadataBuilder(block_size, device).build([SeqSpec(0, num_tokens, list(range(num_blocks)))])
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device), kv, meta)  # [num_tokens, hidden]
+    rows = torch.zeros(num_seqs, dtype=torch.long, device=device)
+    logits = model.compute_logits(hidden[rows])  # [num_seqs, vocab]
+    torch.softmax(logits, dim=-1).div_(torch.empty_like(logits).exponential_()).argmax(dim=-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del kv, hidden, logits
+    torch.cuda.empty_cache()
+    return peak
+
+
+def _allocate_kv(backend, hf_config, dtype: torch.dtype, device: torch.device, num_blocks: int,
+                 block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    shape = backend.kv_cache_shape(num_blocks, block_size, hf_config.num_key_value_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(hf_config.num_hidden_layers)]
+
+
 class ModelRunner:
     def __init__(self, model, hf_config, backend, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
@@ -78,7 +109,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = self._allocate_kv(hf_config, dtype)
+        self.kv_caches = _allocate_kv(backend, hf_config, dtype, device, num_blocks, block_size)
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
         self.graphs = None
@@ -88,12 +119,6 @@ class ModelRunner:
             self.graphs = CudaGraphDecoder(model, self.kv_caches, self.builder, min(max_num_seqs, 512), max_blocks,
                                            device)
             self.graphs.capture()
-
-    def _allocate_kv(self, hf_config, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        shape = self.backend.kv_cache_shape(self.num_blocks, self.block_size, hf_config.num_key_value_heads, head_dim)
-        return [(torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-                for _ in range(hf_config.num_hidden_layers)]
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)
