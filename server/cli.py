@@ -12,6 +12,7 @@ import asyncio
 import importlib
 import logging
 import sys
+import threading
 
 import uvicorn
 
@@ -117,6 +118,10 @@ def run_server(engine_config, settings) -> int:
     logger.info("kvserve: serving on http://%s:%d; the model loads in the background (/ready is 200 once loaded)",
                 settings.host, settings.port)
     server.run()
+    leftover = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()
+                and (not t.daemon or t.name.startswith("kvserve"))]
+    if leftover:
+        logger.warning("threads still running at exit: %s", ", ".join(leftover))
     if aengine.load_error is not None:
         print(f"kvserve: loading the model failed: {aengine.load_error}", file=sys.stderr)
         return 1

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,13 +37,52 @@ def wait_ready(base_url: str, timeout: float = 120.0, proc: subprocess.Popen | N
     raise TimeoutError(f"{base_url} not ready after {timeout} s")
 
 
+class Faults:
+    """Knobs the tests turn; read by the engine thread."""
+
+    def __init__(self):
+        self.step_delay = 0.0  # seconds each engine step sleeps first
+        self.forward_raises = 0  # the next N model forward passes raise
+        self.step_raises = 0  # the next N engine steps raise (outside the engine's own error handling)
+        self.steps = 0
+
+
+def faulty_engine(faults: Faults):
+    from engine.engine import LLMEngine
+
+    def make(config):
+        engine = LLMEngine(config)
+        step, forward = engine.step, engine.runner.model.forward
+
+        def slow_step():
+            faults.steps += 1
+            if faults.step_delay:
+                time.sleep(faults.step_delay)
+            if faults.step_raises > 0:
+                faults.step_raises -= 1
+                raise RuntimeError("injected engine-step fault")
+            return step()
+
+        def bad_forward(*args, **kwargs):
+            if faults.forward_raises > 0:
+                faults.forward_raises -= 1
+                raise RuntimeError("injected model fault")
+            return forward(*args, **kwargs)
+
+        engine.step = slow_step
+        engine.runner.model.forward = bad_forward
+        return engine
+
+    return make
+
+
 class ServerThread:
     """The real app under uvicorn in a background thread of this process.
 
     engine_factory(config) -> engine lets a test wrap the engine (fault injection); default LLMEngine.
     """
 
-    def __init__(self, model_dir, engine_factory=None, **options):
+    def __init__(self, model_dir, engine_factory=None, draining: bool = False, **options):
         from engine.config import EngineConfig
         from server.settings import ServerSettings
 
@@ -53,6 +93,7 @@ class ServerThread:
         server_opts = {k: v for k, v in options.items() if k not in engine_fields}
         self.settings = ServerSettings(port=free_port(), log_level="warning", **server_opts)
         self.engine_factory = engine_factory
+        self.draining = draining  # cli.DrainingServer (what `kvserve serve` runs) instead of uvicorn.Server
         self.base_url = f"http://127.0.0.1:{self.settings.port}"
         self.app = self.aengine = self.server = self.thread = None
 
@@ -68,7 +109,12 @@ class ServerThread:
         self.app = create_app(self.aengine, self.settings)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        if self.draining:
+            from server.cli import DrainingServer
+
+            self.server = DrainingServer(config, self.aengine, self.settings.shutdown_timeout)
+        else:
+            self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self.thread.start()
         wait_ready(self.base_url)
@@ -121,27 +167,34 @@ def sse_events(response: httpx.Response) -> list:
 
 def start_server_process(args: list[str], env: dict | None = None, port: int | None = None
                          ) -> tuple[subprocess.Popen, str]:
-    """`python -m server serve ARGS --port PORT` as a subprocess; returns it once /ready is 200."""
+    """`python -m server serve ARGS --port PORT` as a subprocess (output to a temporary file, so a chatty
+    server never blocks on a full pipe); returns it once /ready is 200."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base_url, proc=proc)
     except Exception:
-        stop_process(proc)
-        raise
+        _, out = stop_process(proc)
+        raise RuntimeError(f"server did not start:\n{out[-3000:]}") from None
     return proc, base_url
 
 
-def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60.0) -> tuple[int, str]:
-    if proc.poll() is None:
+def stop_process(proc: subprocess.Popen, sig: int | None = signal.SIGTERM, timeout: float = 60.0
+                 ) -> tuple[int, str]:
+    """Signal (unless sig is None), wait, and return (exit code, everything the server printed)."""
+    if sig is not None and proc.poll() is None:
         proc.send_signal(sig)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
+        proc.wait()
+    proc.log.seek(0)
+    out = proc.log.read()
+    proc.log.close()
     return proc.returncode, out

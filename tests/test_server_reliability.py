@@ -9,46 +9,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import ServerThread, sse_events
-
-
-class Faults:
-    """Knobs the tests turn; read by the engine thread."""
-
-    def __init__(self):
-        self.step_delay = 0.0  # seconds each engine step sleeps first
-        self.forward_raises = 0  # the next N model forward passes raise
-        self.step_raises = 0  # the next N engine steps raise (outside the engine's own error handling)
-        self.steps = 0
-
-
-def faulty_engine(faults: Faults):
-    from engine.engine import LLMEngine
-
-    def make(config):
-        engine = LLMEngine(config)
-        step, forward = engine.step, engine.runner.model.forward
-
-        def slow_step():
-            faults.steps += 1
-            if faults.step_delay:
-                time.sleep(faults.step_delay)
-            if faults.step_raises > 0:
-                faults.step_raises -= 1
-                raise RuntimeError("injected engine-step fault")
-            return step()
-
-        def bad_forward(*args, **kwargs):
-            if faults.forward_raises > 0:
-                faults.forward_raises -= 1
-                raise RuntimeError("injected model fault")
-            return forward(*args, **kwargs)
-
-        engine.step = slow_step
-        engine.runner.model.forward = bad_forward
-        return engine
-
-    return make
+from server_utils import Faults, ServerThread, faulty_engine, sse_events
 
 
 @pytest.fixture(scope="module")
