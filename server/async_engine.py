@@ -100,14 +100,17 @@ class Generation:
             self.close()
 
     async def _next(self):
+        return await self.wait_within_deadline(self.queue.get())
+
+    async def wait_within_deadline(self, awaitable):
         deadline = self.deadline
         if self.waiting_first and self.queue_deadline is not None:
             deadline = self.queue_deadline if deadline is None else min(deadline, self.queue_deadline)
         if deadline is None:
-            return await self.queue.get()
+            return await awaitable
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                return await self.queue.get()
+                return await awaitable
         except TimeoutError:
             self.owner.metrics.rejected.labels("timeout").inc()
             what = "queue time (no first token)" if self.waiting_first else "total time"
@@ -161,6 +164,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._inbox: list[tuple] = []
+        self._inbox_closed = False
         self._routes: dict[str, _Route] = {}  # engine thread only
         self._last_progress = time.monotonic()
         self._step_started: float | None = None
@@ -232,7 +236,11 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                        timeout: float | None = None) -> Generation:
         """Admit one HTTP request's prompts, or raise APIError (503 / 429 / 400 from the engine)."""
-        self._check_admission(len(prompts) * params.n, sum(map(len, prompts)))
+        completions = len(prompts) * params.n
+        if completions > self.settings.max_waiting_requests:  # could never be admitted: not an overload
+            raise APIError(400, f"a request may ask for at most {self.settings.max_waiting_requests} completions "
+                                "(prompts x n)", "invalid_value", "prompt")
+        self._check_admission(completions, sum(map(len, prompts)))
         limit = self.settings.request_timeout
         limits = [t for t in (limit, timeout) if t is not None]
         gen = Generation(self, request_id, prompts, params, None)
@@ -244,8 +252,8 @@ class AsyncEngine:
             self._pending.tokens += len(gen.prompts[rid])
         admitted = self._loop.create_future()
         self.send(("add", gen, admitted))
-        try:
-            await admitted
+        try:  # the deadline covers admission too: a stuck engine thread must not hang the request
+            await gen.wait_within_deadline(admitted)
         except BaseException:
             gen.close()
             raise
@@ -294,8 +302,19 @@ class AsyncEngine:
     # ---- the inbox --------------------------------------------------------------------------------
     def send(self, command: tuple) -> None:
         with self._cond:
+            if self._inbox_closed:  # the engine thread is gone: nobody will ever read this
+                _refuse(command)
+                return
             self._inbox.append(command)
             self._cond.notify()
+
+    def _close_inbox(self) -> None:
+        """Engine thread, on its way out: later commands are refused at once, queued ones now."""
+        with self._cond:
+            self._inbox_closed = True
+            commands, self._inbox = self._inbox, []
+        for command in commands:
+            self._to_loop(_refuse, command)
 
     def _to_loop(self, fn, *args) -> None:
         try:
@@ -305,14 +324,15 @@ class AsyncEngine:
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
-        if not self._load():
-            return
         try:
-            self._serve()
+            if self._load():
+                self._serve()
         except BaseException as exc:  # the loop itself broke: fail everyone, report dead
             logger.exception("the engine loop died")
             self.state = EngineState.DEAD
             self._fail_all(APIError(500, f"the engine loop died: {type(exc).__name__}", "internal_error"))
+        finally:
+            self._close_inbox()
 
     def _load(self) -> bool:
         try:
@@ -460,6 +480,12 @@ class AsyncEngine:
         for gen in {route.gen for route in self._routes.values()}:
             self._to_loop(_put, gen, _Closed())
         self._routes.clear()
+
+
+def _refuse(command: tuple) -> None:
+    """Event loop: answer a command the engine thread will never run (only an add waits for an answer)."""
+    if command[0] == "add":
+        _settle(command[2], APIError(503, "the engine is not running", "engine_dead"))
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

@@ -82,7 +82,7 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
-    name: str | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

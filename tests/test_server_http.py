@@ -1,0 +1,89 @@
+"""HTTP-level behaviour that needs no model: CORS, the loading state, the JSON parser, error shapes.
+
+The app is driven in-process (Starlette's TestClient) with an engine that is still loading.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app, parse_json_object
+from server.async_engine import AsyncEngine
+from server.errors import APIError
+from server.settings import ServerSettings
+
+
+def loading_app(**settings):
+    """An app whose engine never finishes loading: the factory blocks until released, then fails."""
+    release = threading.Event()
+
+    def never_loads():
+        release.wait(30)
+        raise RuntimeError("this test engine never loads")
+
+    aengine = AsyncEngine(never_loads, ServerSettings(**settings))
+    return create_app(aengine, aengine.settings), release
+
+
+@pytest.fixture
+def client():
+    app, release = loading_app()
+    with TestClient(app) as c:
+        yield c
+        release.set()
+
+
+def test_loading_state(client):
+    ready = client.get("/ready")
+    assert ready.status_code == 503 and ready.json()["detail"] == "loading" and ready.headers["retry-after"]
+    assert client.get("/health").status_code == 200  # alive, just not ready
+    resp = client.post("/v1/completions", json={"prompt": "hi"})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "not_ready"
+    assert resp.headers["retry-after"] == "1"
+    assert client.get("/metrics").status_code == 200
+
+
+def test_cors_is_off_by_default(client):
+    preflight = client.options("/v1/completions", headers={"Origin": "http://evil.example",
+                                                           "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+    plain = client.get("/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in plain.headers
+
+
+def test_cors_origins_when_configured():
+    app, release = loading_app(cors_origins=["http://ok.example"], api_key="k")
+    with TestClient(app) as c:
+        ok = c.options("/v1/completions", headers={"Origin": "http://ok.example",
+                                                   "Access-Control-Request-Method": "POST",
+                                                   "Access-Control-Request-Headers": "authorization"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ok.example"
+        other = c.options("/v1/completions", headers={"Origin": "http://evil.example",
+                                                      "Access-Control-Request-Method": "POST"})
+        assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+        assert c.get("/health", headers={"Origin": "http://ok.example"}).headers[
+            "access-control-allow-origin"] == "http://ok.example"
+        release.set()
+
+
+@pytest.mark.parametrize("raw", [b"{", b"\xc3\x28", b"[1]", b"null", b"\"x\"", b"{\"a\": NaN}",
+                                 b"{\"a\": -Infinity}", b"{\"a\": 1e400}", b"[" * 100000])
+def test_json_parser_refuses(raw):
+    with pytest.raises(APIError) as err:
+        parse_json_object(raw)
+    assert err.value.status == 400 and err.value.code == "invalid_json"
+    assert len(err.value.message) < 400
+
+
+def test_json_parser_accepts_objects():
+    assert parse_json_object(b'{"a": [1, 2.5, "\\u00e9"], "b": null}') == {"a": [1, 2.5, "é"], "b": None}
+
+
+def test_error_bodies_are_openai_shaped(client):
+    for resp in (client.get("/nope"), client.get("/v1/completions"), client.put("/health"),
+                 client.post("/v1/completions", content=b"x" * 10, headers={"content-type": "text/plain"})):
+        body = resp.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert client.put("/health").headers["allow"] == "GET"
