@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.base import AttentionBackend, AttentionMetadata
+from engine.kernels import add_rms_norm, rope_, silu_and_mul
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -131,15 +132,8 @@ class RotaryEmbedding(nn.Module):
             self.cos_sin_cache.copy_(self._table())
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q [T, H, D], k [T, KVH, D]; cos, sin [T, 1, D / 2] in the activations' dtype.
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # HF's x * cos + rotate_half(x) * sin, written per half.
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # q [T, H, D], k [T, KVH, D]: HF's x * cos + rotate_half(x) * sin (kernels.rope_ref).
+        return rope_(positions, q, k, self.cos_sin_cache)
 
 
 class RMSNorm(nn.Module):
@@ -150,9 +144,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, scale in the input dtype: HF's order, so bf16 results match bit for bit.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        shape = x.shape
+        return add_rms_norm(x.reshape(-1, shape[-1]), None, self.weight, self.eps)[0].view(shape)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class MergedLinear(nn.Linear):
@@ -202,8 +199,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -214,10 +210,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, key_cache, value_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output, not yet added to `residual` (the add is fused into the norm)."""
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        x = self.self_attn(x, positions, rotary, key_cache, value_cache, meta)
+        x, residual = self.post_attention_layernorm.add_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -236,10 +236,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, positions, self.rotary_emb, key_cache, value_cache, meta)
-        return self.norm(h)  # [T, hidden]
+            h, residual = layer(h, residual, positions, self.rotary_emb, key_cache, value_cache, meta)
+        return self.norm.add_norm(h, residual)[0]  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

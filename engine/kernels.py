@@ -1,0 +1,153 @@
+"""Fused elementwise kernels of the model, each beside its PyTorch reference.
+
+A decode step of a small model is made of many tiny kernels: RMSNorm alone is ~7 launches, RoPE ~14.
+On a GPU each launch costs a few microseconds of device time even under CUDA graphs, so the layer's
+elementwise work is fused into three Triton kernels. They reproduce the references' rounding (HF's:
+normalise in float32, round to the activation dtype, then scale; RoPE and SiLU products rounded as
+HF rounds them), so bf16 outputs match transformers. On the CPU, or without triton, the references run.
+tests/test_kernels.py checks each kernel against its reference on random inputs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+# ------------------------------------------------------------------------------------- references
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); residual None: the first layer, nothing to add."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return weight * normed, h
+
+
+def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    # q [T, H, D], k [T, KVH, D]; cos, sin [T, 1, D / 2] in the activations' dtype (HF casts them first).
+    cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, inter] each
+    return F.silu(gate) * up
+
+
+# ------------------------------------------------------------------------------------- dispatch
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(x):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    x = x.contiguous()
+    num_tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    new_residual = x if residual is None else torch.empty_like(x)
+    res = x if residual is None else residual.contiguous()
+    _add_rms_norm_kernel[(num_tokens,)](x, res, weight, out, new_residual, hidden, eps,
+                                        HAS_RESIDUAL=residual is not None,
+                                        BLOCK=triton.next_power_of_2(hidden))
+    return out, new_residual
+
+
+def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q [T, H, D] and k [T, KVH, D]; in place on the GPU (they may be strided views
+    of the fused qkv output), a new pair otherwise."""
+    half = q.shape[-1] // 2
+    if not _use_triton(q) or half & (half - 1):  # the kernel takes power-of-two half widths
+        return rope_ref(positions, q, k, cos_sin_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    grid = (num_tokens, num_heads + num_kv_heads)
+    _rope_kernel[grid](positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                       cos_sin_cache.stride(0), num_heads, HALF=head_dim // 2)
+    return q, k
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if not _use_triton(gate_up):
+        return silu_and_mul_ref(gate_up)
+    gate_up = gate_up.contiguous()
+    num_tokens, two_inter = gate_up.shape
+    inter = two_inter // 2
+    out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    return out
+
+
+# ------------------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps,
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < hidden
+        x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(new_res_ptr.dtype.element_ty)  # the residual stream is rounded like HF's `h + out`
+            tl.store(new_res_ptr + row * hidden + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+        normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+                     cache_stride, num_heads, HALF: tl.constexpr):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        pos = tl.load(pos_ptr + token)
+        offs = tl.arange(0, HALF)
+        if head < num_heads:
+            base = q_ptr + token * q_stride_t + head * q_stride_h
+        else:
+            base = k_ptr + token * k_stride_t + (head - num_heads) * k_stride_h
+        dtype = base.dtype.element_ty
+        # HF casts cos/sin to the activation dtype and rounds each product and sum to it.
+        cos = tl.load(cache_ptr + pos * cache_stride + offs).to(dtype).to(tl.float32)
+        sin = tl.load(cache_ptr + pos * cache_stride + HALF + offs).to(dtype).to(tl.float32)
+        x1 = tl.load(base + offs).to(tl.float32)
+        x2 = tl.load(base + HALF + offs).to(tl.float32)
+        a1 = (x1 * cos).to(dtype).to(tl.float32)
+        b1 = (x2 * sin).to(dtype).to(tl.float32)
+        a2 = (x2 * cos).to(dtype).to(tl.float32)
+        b2 = (x1 * sin).to(dtype).to(tl.float32)
+        tl.store(base + offs, (a1 - b1).to(dtype))
+        tl.store(base + HALF + offs, (a2 + b2).to(dtype))
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(x_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0)
+        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # F.silu rounds to the dtype before the product
+        tl.store(out_ptr + row * inter + cols, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=mask)
