@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.server_utils import ServerThread, parse_metrics
+from server_utils import ServerThread, parse_metrics
 
 NUM_CLIENTS = 200
 BEHAVIOURS = ("before_first_token", "long_prefill", "mid_stream", "non_streaming")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.server_utils import ServerThread, parse_metrics
+from server_utils import ServerThread, parse_metrics
 
 MAX_MODEL_LEN = 128
 VOCAB = 49152  # the tiny models use SmolLM2's tokenizer

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from engine.engine import LLMEngine
-from tests.server_utils import ServerThread, parse_metrics
+from server_utils import ServerThread, parse_metrics
 
 STEP_SLEEP = 0.03
 MAX_WAITING_REQUESTS = 3
