@@ -5,7 +5,8 @@ K/V write + attention), bfloat16, CUDA only.
 
 Per backend and workload it reports
   eager_us  wall time per call, calls back to back (host overhead included when it dominates),
-  graph_us  per call from a CUDA graph of 10 calls (GPU time alone; n/a when capture fails),
+  graph_us  per call from a CUDA graph of one round of calls (GPU time alone; n/a when capture fails),
+Calls rotate over copies of the K/V caches ("layers", >= 512 MiB in all) so the L2 cannot serve them.
   GB/s      K/V bytes the batch must read / graph_us (or eager_us), for the decode workloads.
 Shapes: Qwen2.5-0.5B attention (14 heads, 2 kv heads, head dim 64) and a head-dim-128 one
 (32 heads, 8 kv heads, as Llama-3-8B). The table's order guides attention.CUDA_AUTO_ORDER.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import random
 import time
@@ -34,62 +36,71 @@ def workloads(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
     return {"decode 256 x ~600": decode, "mixed 4 prefills + 128 decodes": mixed, "decode 8 x ~8k": long_decode}
 
 
-def _eager_us(fn, iters: int) -> float:
-    fn()
+def _eager_us(calls: list, iters: int) -> float:
+    for call in calls:
+        call()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(iters):
-        fn()
+    for i in range(iters):
+        calls[i % len(calls)]()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def _graph_us(fn, iters: int) -> float | None:
+def _graph_us(calls: list, iters: int) -> float | None:
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(10):
-                fn()
+            for call in calls:
+                call()
     except Exception:  # backends that read the host or allocate outside the pool cannot be captured
         torch.cuda.synchronize()
         return None
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rounds = max(1, iters // len(calls))
     start.record()
-    for _ in range(iters):
+    for _ in range(rounds):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * 10)
+    return start.elapsed_time(end) * 1e3 / (rounds * len(calls))
 
 
-def bench_backend(backend, batch, heads: tuple[int, int, int], iters: int) -> dict:
+def _layers(batch, min_bytes: int = 512 << 20) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of the batch's caches, one per "layer", so that calls in turn read more than the L2 holds
+    (a model's layers each have their own cache); at most 16."""
+    per_layer = 2 * batch.key_cache.numel() * batch.key_cache.element_size()
+    n = min(16, max(2, -(-min_bytes // per_layer)))
+    return [(batch.key_cache, batch.value_cache)] + [(batch.key_cache.clone(), batch.value_cache.clone())
+                                                     for _ in range(n - 1)]
+
+
+def bench_backend(backend, batch, layers, heads: tuple[int, int, int], iters: int) -> dict:
     num_heads, num_kv_heads, head_dim = heads
     impl = backend.impl_cls(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
-    args = (batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta)
-
-    def call():
-        return impl.forward(*args)
-
-    eager_us = _eager_us(call, iters)  # first: JIT compiles happen here, outside any capture
+    calls = [functools.partial(impl.forward, batch.query, batch.key, batch.value, k, v, batch.meta)
+             for k, v in layers]
+    eager_us = _eager_us(calls, iters)  # first: JIT compiles happen here, outside any capture
     # The reference syncs on the host every call: a capture attempt would only fail.
-    return {"eager_us": eager_us, "graph_us": _graph_us(call, iters) if backend.name != "torch" else None}
+    return {"eager_us": eager_us, "graph_us": _graph_us(calls, iters) if backend.name != "torch" else None}
 
 
-def bench_triton_without_split(batch, heads: tuple[int, int, int], iters: int) -> dict:
+def bench_triton_without_split(batch, layers, heads: tuple[int, int, int], iters: int) -> dict:
     """Our kernel with split-KV forced off: what the split buys on few long sequences."""
     from attention.triton_paged import paged_attention_triton, write_kv_triton
 
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def call():
-        write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
-        return paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta,
-                                      heads[2] ** -0.5, sm_count, num_splits=1)
+    def call(key_cache, value_cache):
+        write_kv_triton(batch.key, batch.value, key_cache, value_cache, batch.meta.slot_mapping)
+        return paged_attention_triton(batch.query, key_cache, value_cache, batch.meta, heads[2] ** -0.5,
+                                      sm_count, num_splits=1)
 
-    eager_us = _eager_us(call, iters)
-    return {"eager_us": eager_us, "graph_us": _graph_us(call, iters)}
+    calls = [functools.partial(call, k, v) for k, v in layers]
+    eager_us = _eager_us(calls, iters)
+    return {"eager_us": eager_us, "graph_us": _graph_us(calls, iters)}
 
 
 def kv_bytes(batch, heads: tuple[int, int, int]) -> int:
@@ -102,15 +113,18 @@ def run(iters: int) -> list[dict]:
     for shape_name, heads in SHAPES.items():
         for work_name, lens in workloads(random.Random(0)).items():
             batch = make_random_batch(lens, *heads, 16, torch.bfloat16, "cuda", seed=1)
+            layers = _layers(batch)
+            del batch.full_keys[:], batch.full_values[:]  # free what only the tests need
             for name in BACKEND_NAMES:
                 try:
                     backend = get_backend(name, torch.device("cuda"), heads[2], 16)
                 except ValueError as e:
                     rows.append({"shape": shape_name, "workload": work_name, "backend": name, "skipped": str(e)})
                     continue
-                variants = [(name, lambda: bench_backend(backend, batch, heads, iters))]
+                variants = [(name, lambda: bench_backend(backend, batch, layers, heads, iters))]
                 if name == "triton":
-                    variants.append(("triton (split-KV off)", lambda: bench_triton_without_split(batch, heads, iters)))
+                    variants.append(("triton (split-KV off)",
+                                     lambda: bench_triton_without_split(batch, layers, heads, iters)))
                 for label, bench in variants:
                     row = {"shape": shape_name, "workload": work_name, "backend": label, **bench()}
                     best = row["graph_us"] or row["eager_us"]
