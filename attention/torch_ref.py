@@ -77,7 +77,7 @@ class TorchAttentionImpl(AttentionImpl):
         # kv head, so no K/V repeat: q [D, KVH, group, dim] vs k [D, KVH, L, dim].
         p = meta.num_prefills
         seq_lens = meta.seq_lens[p:]  # [D]
-        num_decodes, block_size = seq_lens.shape[0], key_cache.shape[1]
+        block_size = key_cache.shape[1]
         max_len = int(seq_lens.max())
         num_blocks = -(-max_len // block_size)
         blocks = meta.block_tables[p:, :num_blocks].long()  # [D, nb]
