@@ -254,8 +254,8 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
         ctx = serving_context(app)
         req = parse_model(P.TokenizeRequest, await read_json(request))
         check_model(ctx, req.model, app.state.engine.engine.config.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", "invalid_value", "prompt")
+        if req.prompt is None and req.messages is None:
+            raise APIError(400, "give prompt or messages", "invalid_value", "prompt")
         if req.messages is not None:
             ids = await ctx.run(serving.apply_chat_template, ctx, req)
         else:
@@ -311,13 +311,29 @@ def _body_schema(model: type[BaseModel]) -> dict:
 
 
 def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema plus the hand-parsed request bodies (and the models they reference)."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest):
-            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(body.pop("$defs", {}))
-            components[model.__name__] = body
+    """FastAPI's schema plus the hand-parsed request bodies (and the models they reference); token ids get the
+    loaded model's vocabulary as their maximum (the schema is cached once the model is loaded)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+    engine = app.state.engine.engine
+    if engine is not None:
+        _set_token_id_maximum(components, engine.vocab_size - 1)
         app.openapi_schema = schema
-    return app.openapi_schema
+    return schema
+
+
+def _set_token_id_maximum(node, maximum: int) -> None:
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False):
+            node["maximum"] = maximum
+        for value in node.values():
+            _set_token_id_maximum(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _set_token_id_maximum(value, maximum)

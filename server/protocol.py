@@ -1,7 +1,7 @@
 """Request bodies (strict pydantic models) -> SamplingParams, and the response shapes (for the OpenAPI schema).
 
-Validation is strict: "16", true and 5.5 are not integers, NaN and Infinity are not numbers, text may not
-hold lone surrogates. Unknown fields are ignored, as OpenAI and vLLM do (a client built for a newer API
+Validation is strict: "16", true and 5.5 are not integers (8.0 is: JSON Schema counts it as one), NaN and
+Infinity are not numbers, text may not hold lone surrogates. Unknown fields are ignored, as OpenAI and vLLM do (a client built for a newer API
 keeps working); every field this server knows is checked.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from engine.request import RequestError, SamplingParams
 from server.errors import APIError
@@ -26,9 +26,23 @@ def _no_surrogates(text: str) -> str:
     return text
 
 
+def _whole_float(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(ge: int | None = None, le: int | None = None, **extra):
+    """A strict int (no "16", no true, no 5.5) in [ge, le], except that 8.0 is 8 as JSON Schema has it.
+    The bounds sit on the int itself so that the schema shows them as minimum / maximum."""
+    return Annotated[int, Field(ge=ge, le=le, **extra), BeforeValidator(_whole_float)]
+
+
 Text = Annotated[str, AfterValidator(_no_surrogates)]
-TokenIds = list[Annotated[int, Field(ge=0)]]
-Prompt = Union[Text, list[Text], TokenIds, list[TokenIds]]
+# The schema's token-id maximum is filled in from the loaded model's vocabulary (app._openapi).
+TokenId = Int(ge=0, json_schema_extra={"x-token-id": True})
+TokenIds = list[TokenId]
+_NonEmptyIds = Annotated[TokenIds, Field(min_length=1)]
+Prompt = Union[Text, Annotated[list[Text], Field(min_length=1)], _NonEmptyIds,
+               Annotated[list[_NonEmptyIds], Field(min_length=1)]]
 
 
 class _Strict(BaseModel):
@@ -43,18 +57,18 @@ class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions. null means the default."""
 
     model: str | None = None
-    n: int = Field(1, ge=1)
-    best_of: int | None = Field(None, ge=1, description="must be >= n; kvserve returns n completions")
+    n: Int(ge=1) = 1
+    best_of: Int(ge=1) | None = Field(None, description="must be >= n; kvserve returns n completions")
     temperature: float | None = Field(1.0, ge=0)
     top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(-1, ge=-1)
+    top_k: Int(ge=-1) | None = -1
     min_p: float | None = Field(0.0, ge=0, le=1)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Int(ge=INT64_MIN, le=INT64_MAX) | None = None
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(1.0, gt=0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    min_tokens: int | None = Field(0, ge=0)
+    min_tokens: Int(ge=0) | None = 0
     ignore_eos: bool | None = False
     stop: Union[Text, list[Text], None] = None
     stop_token_ids: TokenIds | None = None
@@ -68,9 +82,9 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: Int(ge=1) | None = 16
     echo: bool | None = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Int(ge=0, le=20) | None = None
     return_token_ids: bool | None = Field(False, description="add each choice's token_ids (vLLM's option)")
 
 
@@ -87,17 +101,20 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int(ge=1) | None = None
+    max_completion_tokens: Int(ge=1) | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int(ge=0, le=20) | None = None
     add_generation_prompt: bool = True
 
 
 class TokenizeRequest(_Strict):
+    """prompt (text) or messages (chat, through the template); messages win when both are given, as in vLLM."""
+
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: str | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: Text = None
+    messages: list[ChatMessage] = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 
@@ -198,10 +215,8 @@ def completion_params(req: CompletionRequest, limits: Limits) -> SamplingParams:
 
 def chat_params(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    top = req.top_logprobs
-    if top is not None and not req.logprobs:
-        raise _bad("top_logprobs", "needs logprobs: true")
-    return sampling_params(req, limits, max_tokens, (top or 0) if req.logprobs else None)
+    # top_logprobs without logprobs is ignored (OpenAI refuses it; being lenient keeps the schema honest)
+    return sampling_params(req, limits, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
 
 
 def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_prompt_tokens: int) -> None:

@@ -98,8 +98,10 @@ CASES = [
      "invalid_type"),
     ("chat-content-wrong-type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, {}, 400,
      "invalid_type"),
-    ("chat-top-logprobs-without-logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, {}, 400, "invalid_value"),
+    ("chat-top-logprobs-over-cap", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 6}, {}, 400,
+     "invalid_value"),
+    ("tokenize-null-prompt", "/tokenize", {"prompt": None}, {}, 400, "invalid_type"),
     ("tokenize-neither", "/tokenize", {}, {}, 400, "invalid_value"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [49152]}, {}, 400, "invalid_value"),
 ]
