@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import logging
 import time
@@ -92,15 +91,11 @@ def serving_context(app: FastAPI) -> serving.ServingContext:
         raise APIError(503, "the model is still loading", "not_ready",
                        headers={"Retry-After": str(app.state.settings.retry_after)})
     s, eng = app.state.settings, aengine.engine
-    try:
-        tokenizer = copy.deepcopy(eng.tokenizer)  # its own copy: the engine thread decodes with the other
-    except Exception:  # a tokenizer that cannot be copied is shared (decode and encode only read it)
-        tokenizer = eng.tokenizer
     limits = P.Limits(vocab_size=eng.vocab_size, max_n=s.max_n, max_logprobs=s.max_logprobs,
                       max_stop_sequences=s.max_stop_sequences, max_stop_length=s.max_stop_length,
                       max_tokens_cap=s.max_tokens_cap)
     max_prompt = min(s.max_prompt_tokens or eng.max_model_len, eng.max_model_len)
-    app.state.ctx = serving.ServingContext(aengine, tokenizer, model_name(eng.config.model, s), limits, max_prompt,
+    app.state.ctx = serving.ServingContext(aengine, aengine.tokenizer, model_name(eng.config.model, s), limits, max_prompt,
                                            app.state.executor, s.log_requests)
     return app.state.ctx
 

@@ -12,6 +12,7 @@ engine requests, and their blocks are freed by the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import logging
 import threading
@@ -152,7 +153,8 @@ class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], object], settings: ServerSettings):
         self._factory = engine_factory
         self.settings = settings
-        self.engine = None  # set once loaded; the app reads tokenizer / max_model_len / vocab_size from it
+        self.engine = None  # set once loaded; the app reads config / max_model_len / vocab_size from it
+        self.tokenizer = None  # the server's own copy of the engine's tokenizer (the engine thread uses that one)
         self.state = EngineState.LOADING
         self.created = int(time.time())
         self.load_error: BaseException | None = None
@@ -336,8 +338,10 @@ class AsyncEngine:
 
     def _load(self) -> bool:
         try:
-            self.engine = self._factory()
-            self._stats = self.engine.stats()
+            engine = self._factory()
+            self.tokenizer = _own_copy(engine.tokenizer)
+            self.engine = engine
+            self._stats = engine.stats()
             if self.state == EngineState.LOADING:
                 self.state = EngineState.READY
             return True
@@ -480,6 +484,17 @@ class AsyncEngine:
         for gen in {route.gen for route in self._routes.values()}:
             self._to_loop(_put, gen, _Closed())
         self._routes.clear()
+
+
+def _own_copy(tokenizer):
+    """A tokenizer for the event loop's threads. A copy, so that encoding there never contends with the engine
+    thread's decoding on one Rust object; shared when it cannot be copied (encode and decode only read it)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:
+        return tokenizer
 
 
 def _refuse(command: tuple) -> None:

@@ -68,7 +68,7 @@ class ServerMetrics:
         self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "arrival to the last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("kvserve_queue_time_seconds",
-                                    "arrival to the first scheduled step (queue wait)",
+                                    "arrival to the start of the step that gave the first token (the queue wait)",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(reason)  # present at 0 from the start

@@ -268,3 +268,26 @@ def test_non_stream_disconnect_aborts(server):
 def test_prompt_plus_max_tokens_exactly_at_the_context_is_served(client):
     resp = client.completions.create(model="tiny", prompt=[5] * 500, max_tokens=12, temperature=0)
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 12
+
+
+def test_prompts_and_outputs_are_logged_only_when_asked(server, client, caplog):
+    import logging
+
+    def server_log() -> str:  # the server's own loggers, not the client's
+        return "\n".join(r.getMessage() for r in caplog.records
+                         if r.name.split(".")[0] in ("kvserve", "engine", "server", "uvicorn"))
+
+    marker = "zebra-marker-4711"
+    with caplog.at_level(logging.DEBUG):
+        client.completions.create(model="tiny", prompt=marker, max_tokens=2)
+    assert "prompt(s)" in server_log()  # the request was logged, without its text
+    assert marker not in server_log()
+    caplog.clear()
+    ctx = server.app.state.ctx
+    ctx.log_requests = True
+    try:
+        with caplog.at_level(logging.INFO):
+            client.completions.create(model="tiny", prompt=marker, max_tokens=2)
+    finally:
+        ctx.log_requests = False
+    assert marker in server_log()
