@@ -30,7 +30,7 @@ from server.settings import ServerSettings
 
 logger = logging.getLogger("kvserve.server")
 
-_ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 500, 503)}
+_ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 431, 500, 503)}
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 

@@ -5,7 +5,7 @@ Codes the server sends (status: code):
       invalid_type, invalid_value, missing_required_parameter, context_length_exceeded, unsupported
   401 invalid_api_key          404 model_not_found, not_found          405 method_not_allowed (+ Allow)
   408 timeout (queue or total deadline passed)                          413 request_too_large
-  415 unsupported_media_type   429 overloaded (+ Retry-After)
+  415 unsupported_media_type   429 overloaded (+ Retry-After)  431 request_header_fields_too_large
   500 internal_error (a failed model step, a bug)                       503 not_ready, shutting_down, engine_dead
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ MAX_MESSAGE_CHARS = 300  # errors never echo a whole (possibly huge) input back
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error",
           413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+          431: "invalid_request_error",
           429: "rate_limit_error"}
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
 

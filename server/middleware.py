@@ -6,6 +6,7 @@ import hmac
 from server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
+MAX_HEADER_BYTES = 32 * 1024
 
 
 async def _send_error(send, error: APIError) -> None:
@@ -51,7 +52,8 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimitMiddleware:
-    """413 for a body over `limit` bytes: from Content-Length up front, else counted as chunks stream in."""
+    """413 for a body over `limit` bytes: from Content-Length up front, else counted as chunks stream in.
+    Also 431 for request headers over MAX_HEADER_BYTES in all (the HTTP server alone may let them through)."""
 
     def __init__(self, app, limit: int):
         self.app = app
@@ -60,6 +62,9 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) for k, v in scope.get("headers", ())) > MAX_HEADER_BYTES:
+            return await _send_error(send, APIError(431, f"request headers are larger than {MAX_HEADER_BYTES} "
+                                                         "bytes", "request_header_fields_too_large"))
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await _send_error(send, self._error())

@@ -87,3 +87,10 @@ def test_error_bodies_are_openai_shaped(client):
         body = resp.json()
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert client.put("/health").headers["allow"] == "GET"
+
+
+def test_oversized_headers_are_431(client):
+    resp = client.get("/health", headers={"X-Big": "a" * 40000})
+    assert resp.status_code == 431
+    assert resp.json()["error"]["code"] == "request_header_fields_too_large"
+    assert client.get("/health", headers={"X-Fine": "a" * 1000}).status_code == 200
