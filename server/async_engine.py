@@ -50,22 +50,33 @@ class _Route:
 
 
 @dataclass
-class _Pending:
-    """Completions and prompt tokens admitted but without a first token yet: the bounded waiting queue."""
+class WaitingQueue:
+    """Completions and prompt tokens admitted but without a first token yet: what the waiting bounds limit."""
+    max_completions: int
+    max_tokens: int
     completions: int = 0
     tokens: int = 0
+
+    def would_overflow(self, completions: int, tokens: int) -> bool:
+        if self.completions == 0:  # a lone request is never refused for its own size
+            return False
+        return self.completions + completions > self.max_completions or self.tokens + tokens > self.max_tokens
+
+    def add(self, completions: int, tokens: int) -> None:
+        self.completions += completions
+        self.tokens += tokens
 
 
 class Generation:
     """One HTTP request's engine requests (one per prompt, n completions each), fed by the engine thread."""
 
     def __init__(self, owner: "AsyncEngine", request_id: str, prompts: list[list[int]], params: SamplingParams,
-                 deadline: float | None):
+                 timeout: float | None):
         self.owner = owner
         self.request_id = request_id
         self.params = params
         self.arrival = time.monotonic()
-        self.deadline = deadline  # monotonic, total
+        self.deadline = None if timeout is None else self.arrival + timeout  # monotonic, total
         qt = owner.settings.queue_timeout
         self.queue_deadline = None if qt is None else self.arrival + qt
         self.engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -123,10 +134,16 @@ class Generation:
             return
         self.closed = True
         for rid in list(self.waiting_first):
-            self.owner.release_pending(self, rid)
+            self.got_first_token(rid)
         if self.unfinished:
             self.owner.send(("abort", list(self.engine_ids)))
         self.owner.forget(self)
+
+    def got_first_token(self, rid: str) -> None:
+        """`rid` leaves the waiting queue (its first token came, or the request ended without one)."""
+        if rid in self.waiting_first:
+            self.waiting_first.discard(rid)
+            self.owner.waiting.add(-self.params.n, -len(self.prompts[rid]))
 
     def push(self, outs: list[StepOutput], step_start: float, step_end: float) -> None:
         """Event-loop side: one step's outputs for this request (also observes the latency metrics)."""
@@ -136,7 +153,7 @@ class Generation:
         for out in outs:
             key = (out.request_id, out.index)
             if out.request_id in self.waiting_first and out.new_token_ids:
-                self.owner.release_pending(self, out.request_id)
+                self.got_first_token(out.request_id)
                 m.ttft.observe(step_end - self.arrival)
                 m.queue_time.observe(max(0.0, step_start - self.arrival))
             last = self._last_token_time.get(key)
@@ -171,7 +188,7 @@ class AsyncEngine:
         self._last_progress = time.monotonic()
         self._step_started: float | None = None
         self._live: set[Generation] = set()  # event-loop side
-        self._pending = _Pending()
+        self.waiting = WaitingQueue(settings.max_waiting_requests, settings.max_waiting_tokens)
         self._idle = asyncio.Event()
 
     # ---- lifecycle (event loop) -----------------------------------------------------------------
@@ -230,7 +247,7 @@ class AsyncEngine:
             return False, why
         if self.state != EngineState.READY:
             return False, self.state.value
-        if self._overloaded(1, 0):
+        if self.waiting.would_overflow(1, 0):
             return False, "overloaded"
         return True, "ready"
 
@@ -242,16 +259,13 @@ class AsyncEngine:
         if completions > self.settings.max_waiting_requests:  # could never be admitted: not an overload
             raise APIError(400, f"a request may ask for at most {self.settings.max_waiting_requests} completions "
                                 "(prompts x n)", "invalid_value", "prompt")
-        self._check_admission(completions, sum(map(len, prompts)))
-        limit = self.settings.request_timeout
-        limits = [t for t in (limit, timeout) if t is not None]
-        gen = Generation(self, request_id, prompts, params, None)
-        gen.deadline = gen.arrival + min(limits) if limits else None
+        tokens = sum(map(len, prompts))
+        self._check_admission(completions, tokens)
+        limits = [t for t in (self.settings.request_timeout, timeout) if t is not None]
+        gen = Generation(self, request_id, prompts, params, min(limits) if limits else None)
         self._live.add(gen)
         self._idle.clear()
-        for rid in gen.engine_ids:
-            self._pending.completions += params.n
-            self._pending.tokens += len(gen.prompts[rid])
+        self.waiting.add(completions, tokens)
         admitted = self._loop.create_future()
         self.send(("add", gen, admitted))
         try:  # the deadline covers admission too: a stuck engine thread must not hang the request
@@ -275,22 +289,10 @@ class AsyncEngine:
         if not healthy:
             self.metrics.rejected.labels("engine_unhealthy").inc()
             raise APIError(503, f"the engine is unhealthy: {why}", "engine_unhealthy", headers=retry)
-        if self._overloaded(completions, tokens):
+        if self.waiting.would_overflow(completions, tokens):
             self.metrics.rejected.labels("overloaded").inc()
             raise APIError(429, "the server is overloaded: too many requests are waiting; retry later",
                            "overloaded", headers=retry)
-
-    def _overloaded(self, completions: int, tokens: int) -> bool:
-        p, s = self._pending, self.settings
-        if p.completions == 0:  # a lone request is never refused for its own size
-            return False
-        return p.completions + completions > s.max_waiting_requests or p.tokens + tokens > s.max_waiting_tokens
-
-    def release_pending(self, gen: Generation, rid: str) -> None:
-        if rid in gen.waiting_first:
-            gen.waiting_first.discard(rid)
-            self._pending.completions -= gen.params.n
-            self._pending.tokens -= len(gen.prompts[rid])
 
     def forget(self, gen: Generation) -> None:
         self._live.discard(gen)

@@ -68,7 +68,7 @@ def test_overload_gives_429_with_retry_after(server, faults):
 
 def test_overload_by_queued_prompt_tokens(server, faults):
     faults.step_delay = 1.0
-    long_prompt = [7] * 300  # 2 x 300 > ... no: 4096 tokens allow 13 of these; send 20
+    long_prompt = [7] * 300
 
     async def flood():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -76,11 +76,11 @@ def test_overload_by_queued_prompt_tokens(server, faults):
                                                       json=body(prompt=long_prompt, max_tokens=1))
                                           for _ in range(3)))
 
-    server.settings.max_waiting_tokens = 500
+    server.aengine.waiting.max_tokens = 500  # one 300-token prompt waits; a second would pass 500
     try:
         statuses = sorted(r.status_code for r in asyncio.run(flood()))
     finally:
-        server.settings.max_waiting_tokens = 4096
+        server.aengine.waiting.max_tokens = 4096
     assert statuses.count(429) >= 1 and statuses.count(200) >= 1, statuses
 
 
