@@ -187,8 +187,9 @@ def baseline(client) -> float:
 
 @pytest.fixture(scope="module")
 def small_pool_server(tiny_model_dir):
-    # 4 blocks of 16 tokens: the whole pool holds 64 tokens, half of max_model_len.
-    with ServerThread(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4, block_size=16) as s:
+    # 4 blocks of 16 tokens: the whole pool holds 64 tokens, half of max_model_len. max_tokens capped at 8.
+    with ServerThread(tiny_model_dir("llama"), max_model_len=MAX_MODEL_LEN, num_kv_blocks=4, block_size=16,
+                      max_tokens_cap=8) as s:
         yield s
 
 
@@ -340,6 +341,18 @@ def test_prompt_larger_than_whole_kv_pool_is_refused_at_once(small_pool_server):
     ok = httpx.post(s.url(C), json=prompt(prompt=ids(20), max_tokens=4), timeout=60)
     assert ok.status_code == 200, ok.text
     assert s.wait_blocks_free() == 0
+
+
+@pytest.mark.parametrize("path,body", [(C, {"prompt": "Hi"}), (C, {"prompt": "Hi", "max_tokens": None}),
+                                       (CHAT, {"messages": [{"role": "user", "content": "Hi"}]})],
+                         ids=["completions_omitted", "completions_null", "chat_omitted"])
+def test_omitted_max_tokens_on_a_capped_server_is_served_within_the_cap(small_pool_server, path, body):
+    """The client asked for no particular length: the default must fit the server's cap, not break it."""
+    r = httpx.post(small_pool_server.url(path), json={**body, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= 8
+    over = httpx.post(small_pool_server.url(path), json={**body, "max_tokens": 9}, timeout=60)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "invalid_value"
 
 
 # ------------------------------------------------------------------------------------------ raw sockets
