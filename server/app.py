@@ -31,7 +31,12 @@ from server.settings import ServerSettings
 logger = logging.getLogger("kvserve.server")
 
 _ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 431, 500, 503)}
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event (OpenAPI 3.1 describes a stream by its events): `data` is a JSON chunk, an error
+# object, or [DONE] at the end.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, then [DONE]; or an error object"},
+                   "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 
 
 class SSEResponse(StreamingResponse):

@@ -445,7 +445,7 @@ def make_figure(results: list[RequestResult], duration: float, title: str):
     _cdf(ax_ttft, [r.ttft * 1000 for r in ok], "TTFT")
     _cdf(ax_itl, [x * 1000 for r in ok for x in r.itl], "ITL")
     _cdf(ax_e2el, [r.latency * 1000 for r in ok], "E2EL")
-    bucket = 1.0 if duration >= 20 else max(duration / 20, 0.05)  # about 20+ points even for short runs
+    bucket = max(duration / 50, 0.05)  # ~50 points, whatever the run's length
     rate = output_tokens_over_time(results, bucket)
     ax_tput.plot(np.arange(rate.size) * bucket + bucket / 2, rate, marker=".")
     ax_tput.set_title(f"Output throughput over time ({bucket:.2g} s buckets)")
@@ -482,8 +482,8 @@ def main(args: argparse.Namespace) -> int:
             json.dump(result_record(args, model, metrics, results, slos_ms), f, indent=1)
     if args.plot:
         rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-        write_plot(args.plot, results, duration, f"{args.label or model} @ {base_url}: {len(requests)} requests, "
-                                                 f"rate {rate}, max concurrency {args.max_concurrency}")
+        write_plot(args.plot, results, duration, f"{args.label or f'{model} @ {base_url}'}: {len(requests)} "
+                                                 f"requests, rate {rate}, max concurrency {args.max_concurrency}")
     return 0 if metrics["completed"] else 1
 
 

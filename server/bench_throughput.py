@@ -181,6 +181,10 @@ def engine_options(args: argparse.Namespace, backend: str | None) -> dict:
         opts["enforce_eager"] = True
     if args.no_prefix_caching:
         opts["enable_prefix_caching"] = False
+    if args.no_async_scheduling:
+        opts["async_scheduling"] = False
+    if args.skip_tokenizer_init:
+        opts["skip_tokenizer_init"] = True
     return opts
 
 
@@ -359,6 +363,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-async-scheduling", action="store_true")
+    e.add_argument("--skip-tokenizer-init", action="store_true", help="no detokenization (token ids out only)")
     c = parser.add_argument_group("measurement")
     c.add_argument("--compare-hf", nargs="?", const="generate", default=None, metavar="METHODS",
                    help="also run transformers on the same prompts: generate (default), generate_batch, or both "
