@@ -26,8 +26,9 @@ _REGISTRY = (
 )
 BACKEND_NAMES = tuple(name for name, _, _ in _REGISTRY)
 
-# The "auto" order on CUDA, fastest first, from benchmarks/attention_kernels.py on the H200
-# (docs/benchmarks.md, "Attention kernels").
+# The "auto" order on CUDA, fastest first. To be settled by benchmarks/attention_kernels.py on the H200
+# (docs/benchmarks.md, "Attention kernels"); until measured: flash-attn-4, known to run this paged call
+# correctly there, then our Triton kernel.
 CUDA_AUTO_ORDER = ("flash-attn-4", "triton", "flash-attn")
 
 
