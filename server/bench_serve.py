@@ -252,7 +252,7 @@ async def send_all(client, args, payloads: list[dict], requests: list[SampleRequ
         arrived = time.perf_counter()
         async with semaphore:
             result = await timed_request(client, args.endpoint, payload, req, t0, args.request_timeout)
-        result.queue_time = max(0.0, t0 + result.start_time - arrived) if result.start_time else 0.0
+        result.queue_time = max(0.0, t0 + result.start_time - arrived)
         pbar.update(1)
         return result
 
