@@ -71,6 +71,7 @@ def eos_ids(hf_config, tokenizer) -> frozenset[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        torch.manual_seed(config.seed)  # unseeded requests draw from the default generators
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = resolve_model_path(config.model)
