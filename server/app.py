@@ -205,6 +205,7 @@ def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
         check_model(ctx, req.model, aengine.engine.config.model)
         params = P.completion_params(req, ctx.limits)
         texts, prompts = P.split_prompt(req.prompt)
+        P.check_num_completions(len(texts or prompts), params.n, ctx.limits)
         if texts:
             prompts = await ctx.run(serving.tokenize_texts, ctx, texts)
         serving.prompt_check(ctx, prompts)

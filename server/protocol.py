@@ -82,7 +82,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: Int(ge=1) | None = 16
+    max_tokens: Int(ge=1) | None = Field(None, description="default 16 (lowered to the server's cap)")
     echo: bool | None = False
     logprobs: Int(ge=0, le=20) | None = None
     return_token_ids: bool | None = Field(False, description="add each choice's token_ids (vLLM's option)")
@@ -168,17 +168,23 @@ def _check_token_ids(ids: list[int] | None, vocab_size: int, param: str) -> None
         raise _bad(param, f"token ids must be in [0, {vocab_size})")
 
 
-def _max_tokens(requested: int | None, limits: Limits) -> int | None:
-    if requested is not None and limits.max_tokens_cap is not None and requested > limits.max_tokens_cap:
-        raise _bad("max_tokens", f"must be <= {limits.max_tokens_cap} on this server")
-    return requested if requested is not None else limits.max_tokens_cap
+def _max_tokens(requested: int | None, default: int | None, limits: Limits) -> int | None:
+    """An explicit max_tokens over the cap is refused; an omitted one is the default, lowered to the cap."""
+    cap = limits.max_tokens_cap
+    if requested is not None:
+        if cap is not None and requested > cap:
+            raise _bad("max_tokens", f"must be <= {cap} on this server")
+        return requested
+    if cap is None:
+        return default
+    return cap if default is None else min(default, cap)
 
 
 def _or(value, default):
     return default if value is None else value
 
 
-def sampling_params(req: _SamplingFields, limits: Limits, max_tokens: int | None,
+def sampling_params(req: _SamplingFields, limits: Limits, max_tokens: int | None, default_max_tokens: int | None,
                     logprobs: int | None) -> SamplingParams:
     """Everything the engine needs, checked against this server's caps. Raises APIError (400)."""
     if req.n > limits.max_n:
@@ -198,7 +204,7 @@ def sampling_params(req: _SamplingFields, limits: Limits, max_tokens: int | None
             min_p=_or(req.min_p, 0.0), seed=req.seed, presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0), repetition_penalty=_or(req.repetition_penalty, 1.0),
             logit_bias=_logit_bias(req.logit_bias, limits.vocab_size), min_tokens=_or(req.min_tokens, 0),
-            max_tokens=_max_tokens(max_tokens, limits), ignore_eos=bool(req.ignore_eos), stop=stop,
+            max_tokens=_max_tokens(max_tokens, default_max_tokens, limits), ignore_eos=bool(req.ignore_eos), stop=stop,
             stop_token_ids=list(req.stop_token_ids or []),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logprobs=logprobs, skip_special_tokens=_or(req.skip_special_tokens, True))
@@ -210,13 +216,18 @@ def completion_params(req: CompletionRequest, limits: Limits) -> SamplingParams:
     if req.echo and req.logprobs is not None:
         raise _bad("logprobs", "echo with logprobs needs prompt logprobs, which kvserve does not compute",
                    "unsupported")
-    return sampling_params(req, limits, _or(req.max_tokens, 16), req.logprobs)
+    return sampling_params(req, limits, req.max_tokens, 16, req.logprobs)
 
 
 def chat_params(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # top_logprobs without logprobs is ignored (OpenAI refuses it; being lenient keeps the schema honest)
-    return sampling_params(req, limits, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    return sampling_params(req, limits, max_tokens, None, (req.top_logprobs or 0) if req.logprobs else None)
+
+
+def check_num_completions(num_prompts: int, n: int, limits: Limits) -> None:
+    if num_prompts * n > limits.max_n:
+        raise _bad("n", f"prompts x n must be <= {limits.max_n} on this server")
 
 
 def check_prompt_ids(prompts: list[list[int]], vocab_size: int, max_prompt_tokens: int) -> None:

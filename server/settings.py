@@ -31,7 +31,7 @@ class ServerSettings:
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None
     max_tokens_cap: int | None = None
-    max_n: int = 16
+    max_n: int = 64
     max_logprobs: int = 20
     max_stop_sequences: int = 16
     max_stop_length: int = 256
@@ -98,7 +98,7 @@ SERVER_HELP = {
     "max_body_bytes": "largest request body, bytes (413 beyond it, checked while the body streams in)",
     "max_prompt_tokens": "longest prompt, tokens (default: max_model_len)",
     "max_tokens_cap": "largest max_tokens a request may ask for (default: no cap beyond max_model_len)",
-    "max_n": "largest n (completions per prompt) times number of prompts in one request",
+    "max_n": "largest n (completions per prompt) times the number of prompts in one request",
     "max_logprobs": "largest logprobs / top_logprobs (<= 20)",
     "max_stop_sequences": "most stop strings in one request",
     "max_stop_length": "longest stop string, characters",

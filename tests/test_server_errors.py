@@ -59,6 +59,8 @@ CASES = [
     ("top-k-fraction", "/v1/completions", ok_body(top_k=2.5), {}, 400, "invalid_type"),
     ("n-zero", "/v1/completions", ok_body(n=0), {}, 400, "invalid_value"),
     ("n-over-cap", "/v1/completions", ok_body(n=5), {}, 400, "invalid_value"),
+    ("prompts-times-n-over-cap", "/v1/completions", ok_body(prompt=["a", "b", "c"], n=2), {}, 400,
+     "invalid_value"),
     ("best-of-below-n", "/v1/completions", ok_body(n=2, best_of=1), {}, 400, "invalid_value"),
     ("logprobs-negative", "/v1/completions", ok_body(logprobs=-1), {}, 400, "invalid_value"),
     ("logprobs-over-cap", "/v1/completions", ok_body(logprobs=6), {}, 400, "invalid_value"),
