@@ -339,6 +339,7 @@ class AsyncEngine:
             self._close_inbox()
 
     def _load(self) -> bool:
+        start = time.monotonic()
         try:
             engine = self._factory()
             self.tokenizer = _own_copy(engine.tokenizer)
@@ -346,6 +347,7 @@ class AsyncEngine:
             self._stats = engine.stats()
             if self.state == EngineState.LOADING:
                 self.state = EngineState.READY
+            logger.info("model loaded in %.1f s: accepting requests", time.monotonic() - start)
             return True
         except BaseException as exc:
             logger.exception("loading the model failed")
