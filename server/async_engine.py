@@ -124,8 +124,9 @@ class Generation:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 return await awaitable
         except TimeoutError:
-            self.owner.metrics.rejected.labels("timeout").inc()
-            what = "queue time (no first token)" if self.waiting_first else "total time"
+            queue = bool(self.waiting_first) and deadline == self.queue_deadline
+            self.owner.metrics.timeouts.labels("queue" if queue else "total").inc()
+            what = "queue time (no first token)" if queue else "total time"
             raise APIError(408, f"request exceeded its {what} limit and was aborted", "timeout") from None
 
     def close(self) -> None:

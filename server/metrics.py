@@ -61,6 +61,8 @@ class ServerMetrics:
                                 registry=r)
         self.rejected = Counter("kvserve_requests_rejected", "requests refused before admission, by error code",
                                 ["code"], registry=r)
+        self.timeouts = Counter("kvserve_request_timeouts", "requests ended by a deadline, by which one",
+                                ["deadline"], registry=r)
         self.ttft = Histogram("kvserve_time_to_first_token_seconds", "arrival to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvserve_inter_token_latency_seconds", "time between tokens of one completion",

@@ -109,7 +109,9 @@ def test_total_deadline_non_streaming(server, faults):
     t0 = time.monotonic()
     resp = post(server, max_tokens=400, ignore_eos=True, timeout=0.5)
     assert resp.status_code == 408 and resp.json()["error"]["code"] == "timeout"
+    assert "total time" in resp.json()["error"]["message"]
     assert time.monotonic() - t0 < 10
+    assert server.metrics()['kvserve_request_timeouts_total{deadline="total"}'] >= 1
 
 
 def test_total_deadline_streaming(server, faults):
@@ -131,6 +133,7 @@ def test_queue_timeout(server, faults):
     finally:
         server.settings.queue_timeout = 300.0
     assert resp.status_code == 408 and "queue" in resp.json()["error"]["message"]
+    assert server.metrics()['kvserve_request_timeouts_total{deadline="queue"}'] >= 1
 
 
 def test_model_fault_fails_only_that_step(server, faults):
