@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

@@ -17,7 +17,7 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from engine.request import FinishReason, RequestError, SamplingParams, StepOutput
