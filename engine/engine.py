@@ -111,7 +111,7 @@ class LLMEngine:
             return max(2, self.config.kv_cache_memory_bytes // per_block)
         c = self.config
         peak = profile_step_peak_bytes(model, self.hf_config, self.backend, self.device, self.dtype, c.block_size,
-                                       c.max_num_batched_tokens, c.max_num_seqs)
+                                       c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         free, total = torch.cuda.mem_get_info(self.device)
         # What the process and others already use, plus a maximal step's peak, plus room for CUDA graphs.
         budget = total * c.gpu_memory_utilization - (total - free) - peak - CUDA_GRAPH_RESERVE

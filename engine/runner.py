@@ -71,17 +71,23 @@ def prepare_inputs(out: SchedulerOutput) -> StepInputs:
 
 @torch.inference_mode()
 def profile_step_peak_bytes(model, hf_config, backend, device: torch.device, dtype: torch.dtype, block_size: int,
-                            num_tokens: int, num_seqs: int) -> int:
-    """Peak device memory a maximal step allocates beyond the weights: a prefill of `num_tokens` tokens,
-    then logits and sampling for `num_seqs` rows. The KV pool is sized with what is left."""
-    num_blocks = -(-num_tokens // block_size)
-    kv = _allocate_kv(backend, hf_config, dtype, device, num_blocks, block_size)
-    meta = AttentionMetadataBuilder(block_size, device).build([SeqSpec(0, num_tokens, list(range(num_blocks)))])
+                            num_tokens: int, num_seqs: int, max_model_len: int) -> int:
+    """Peak device memory a maximal step allocates beyond the weights: prefills of `num_tokens` tokens in
+    all (none longer than max_model_len), then logits and sampling for `num_seqs` rows. The KV pool is
+    sized with what is left."""
+    seq_len = min(num_tokens, max_model_len)
+    lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    blocks_per_seq = -(-seq_len // block_size)
+    kv = _allocate_kv(backend, hf_config, dtype, device, blocks_per_seq * len(lens), block_size)
+    seqs = [SeqSpec(0, n, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i, n in enumerate(lens)]
+    seqs.sort(key=lambda s: s.query_len == 1)  # a 1-token remainder is a decode: decodes go last
+    meta = AttentionMetadataBuilder(block_size, device).build(seqs)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    hidden = model(ids, torch.arange(num_tokens, device=device), kv, meta)  # [num_tokens, hidden]
+    positions = torch.cat([torch.arange(s.query_len, device=device) for s in seqs])
+    hidden = model(ids, positions, kv, meta)  # [num_tokens, hidden]
     rows = torch.zeros(num_seqs, dtype=torch.long, device=device)
     logits = model.compute_logits(hidden[rows])  # [num_seqs, vocab]
     torch.softmax(logits, dim=-1).div_(torch.empty_like(logits).exponential_()).argmax(dim=-1)
