@@ -104,6 +104,9 @@ class ServerThread:
         from server.app import create_app
         from server.async_engine import AsyncEngine
 
+        import torch
+
+        self._threads = torch.get_num_threads()  # the server lowers it on the CPU; later tests get it back
         factory = self.engine_factory or LLMEngine
         self.aengine = AsyncEngine(lambda: factory(self.engine_config), self.settings)
         self.app = create_app(self.aengine, self.settings)
@@ -124,6 +127,9 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=60)
         assert not self.thread.is_alive(), "uvicorn did not stop"
+        import torch
+
+        torch.set_num_threads(self._threads)
 
     def url(self, path: str) -> str:
         return self.base_url + path
