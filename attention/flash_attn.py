@@ -75,18 +75,20 @@ class FlashAttn4Impl(AttentionImpl):
         _write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         # max_seqlen_k stays unset: the kernel then bounds keys by the block-table width, a shape,
         # so nothing here depends on this step's lengths beyond max_query_len (1 for decode graphs).
-        # num_splits=0: its own split-KV heuristic, from those same host-side bounds.
+        # num_splits=1: flash-attn-4 4.0.0b36 asserts "SplitKV not supported on SM 9.0" otherwise.
         out, _ = flash_attn_varlen_func(
             query, key_cache, value_cache, cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
             seqused_k=meta.seq_lens, page_table=meta.block_tables, softmax_scale=self.scale, causal=True,
-            num_splits=0)
+            num_splits=1)
         return out  # [num_tokens, num_heads, head_dim]
 
 
 class FlashAttn4Backend(AttentionBackend):
     name = "flash-attn-4"
     impl_cls = FlashAttn4Impl
-    supports_cuda_graphs = False  # not verified under capture
+    # Captured and replayed with new metadata on the H200 (tests/test_attention_gpu.py's graph test):
+    # nothing is read on the host, and its one host int, max_query_len, is 1 in every decode graph.
+    supports_cuda_graphs = True
 
     @classmethod
     def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:
