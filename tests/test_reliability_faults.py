@@ -141,6 +141,31 @@ def test_stuck_step_turns_health_503_until_it_moves_again(server, faults, http):
     assert http.post("/v1/completions", json={"prompt": "new", "max_tokens": 2}).status_code == 200
 
 
+def test_idle_invariant_catches_a_leaked_block(server, caplog):
+    """The idle check is not vacuous: a block held by no request is counted and logged when the engine
+    next goes idle. (Last of the tests on this server: its violation counter stays at 1 afterwards.)"""
+    violations = "kvserve_idle_invariant_violations_total"
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        assert http.post("/v1/completions", json={"prompt": "warm", "max_tokens": 2}).status_code == 200
+        assert metrics(http)[violations] == 0
+        wait_for(lambda: server.aengine.num_live == 0 and metrics(http)["kvserve_requests_running"] == 0,
+                 what="idle")
+        pool = server.aengine.engine.scheduler.pool  # the engine thread sleeps while idle: safe to touch
+        leaked = pool.allocate(1)
+        try:
+            with caplog.at_level("ERROR"):
+                r = http.post("/v1/completions", json={"prompt": "busy, then idle", "max_tokens": 2})
+                assert r.status_code == 200
+                wait_for(lambda: metrics(http)[violations] == 1, what="the violation to be counted")
+            assert any("idle invariant" in rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR")
+        finally:
+            wait_for(lambda: server.aengine.num_live == 0, what="idle")
+            pool.free(leaked)
+        assert http.post("/v1/completions", json={"prompt": "clean again", "max_tokens": 2}).status_code == 200
+        time.sleep(0.3)
+        assert metrics(http)[violations] == 1  # the leak is gone: no new violation
+
+
 # ------------------------------------------------------------------------------------------ lifecycle
 
 
@@ -173,28 +198,35 @@ def test_ready_while_loading_then_dead_loop(tiny_model_dir):
     try:
         with httpx.Client(base_url=s.base_url, timeout=30) as http:
             wait_for(lambda: _answers(http), timeout=60, what="the HTTP server to listen")
-            ready = http.get("/ready")
-            assert ready.status_code == 503 and ready.json()["detail"] == "loading"
-            assert ready.headers.get("retry-after") == "3"
-            assert http.get("/health").status_code == 200  # loading is not a failure
-            refused = http.post("/v1/completions", json={"prompt": "too early", "max_tokens": 2})
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+            check_loading(http)
             gate.set()
             opener.join(120)
             assert http.get("/ready").status_code == 200
             assert http.post("/v1/completions", json={"prompt": "now", "max_tokens": 2}).status_code == 200
-
             kill.set()
-            failed = http.post("/v1/completions", json={"prompt": "the last one", "max_tokens": 2})
-            assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal_error"
-            assert http.get("/health").status_code == 503
-            assert http.get("/ready").status_code == 503
-            refused = http.post("/v1/completions", json={"prompt": "after death", "max_tokens": 2})
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+            check_dead(http)
     finally:
         gate.set()
         opener.join(120)
         s.__exit__(None, None, None)
+
+
+def check_loading(http: httpx.Client) -> None:
+    ready = http.get("/ready")
+    assert ready.status_code == 503 and ready.json()["detail"] == "loading"
+    assert ready.headers.get("retry-after") == "3"
+    assert http.get("/health").status_code == 200  # loading is not a failure
+    refused = http.post("/v1/completions", json={"prompt": "too early", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+
+
+def check_dead(http: httpx.Client) -> None:
+    failed = http.post("/v1/completions", json={"prompt": "the last one", "max_tokens": 2})
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal_error"
+    assert http.get("/health").status_code == 503
+    assert http.get("/ready").status_code == 503
+    refused = http.post("/v1/completions", json={"prompt": "after death", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
 
 
 def _answers(http: httpx.Client) -> bool:
