@@ -23,14 +23,17 @@ _REGISTRY = (
     ("triton", "attention.triton_paged", "TritonAttentionBackend"),
     ("flash-attn", "attention.flash_attn", "FlashAttnBackend"),
     ("flash-attn-4", "attention.flash_attn", "FlashAttn4Backend"),
+    ("triton+flash-attn-4", "attention.hybrid", "HybridAttentionBackend"),
 )
 BACKEND_NAMES = tuple(name for name, _, _ in _REGISTRY)
 
-# The "auto" order on CUDA, fastest first, from benchmarks/attention_kernels.py on the H200, 2026-12-02
-# (docs/benchmarks.md, "Attention kernels"): our Triton kernel is 1.4-3.2x faster than flash-attn-4 on
-# decode batches (which dominate generation) and long decodes (its split-KV; flash-attn-4 cannot split
-# on sm90); flash-attn-4 is faster on prefill-heavy mixed batches (1.15x at head dim 64, 2.2x at 128).
-CUDA_AUTO_ORDER = ("triton", "flash-attn-4", "flash-attn")
+# The "auto" order on CUDA, fastest first, measured on the H200 on 2026-12-02 (docs/benchmarks.md).
+# Kernels alone: our Triton kernel is 1.4-3.2x faster than flash-attn-4 on decode batches and long decodes
+# (its split-KV; flash-attn-4 cannot split on sm90); flash-attn-4 is faster on prefill-heavy batches
+# (1.15x at head dim 64, 2.2x at 128). End to end (Qwen2.5-0.5B shape, CUDA graphs): triton 39.2k vs
+# flash-attn-4 35.9k output tok/s on W-A, but 16.5k vs 42.0k on the prefill-heavy W-B. The hybrid takes
+# each side's faster kernel; float32 models skip it and flash-attn-4 (no float32 kernels) for triton.
+CUDA_AUTO_ORDER = ("triton+flash-attn-4", "flash-attn-4", "triton", "flash-attn")
 
 
 def load_backend(name: str) -> type[AttentionBackend]:
@@ -44,34 +47,39 @@ def load_backend(name: str) -> type[AttentionBackend]:
     raise ValueError(f"unknown attention backend {name!r}; choose 'auto' or one of {BACKEND_NAMES}")
 
 
-def _checked(name: str, device: torch.device, head_dim: int, block_size: int) -> type[AttentionBackend]:
+def _checked(name: str, device: torch.device, head_dim: int, block_size: int,
+             dtype: torch.dtype | None) -> type[AttentionBackend]:
     backend = load_backend(name)
     backend.check_config(head_dim, block_size, device)
+    if dtype is not None and dtype not in backend.supported_dtypes:
+        raise ValueError(f"attention backend {name!r} supports {[str(d)[6:] for d in backend.supported_dtypes]}, "
+                         f"not {str(dtype)[6:]}")
     return backend
 
 
-def explain_backend_choice(name: str, device: torch.device | str, head_dim: int,
-                           block_size: int) -> tuple[type[AttentionBackend], str]:
+def explain_backend_choice(name: str, device: torch.device | str, head_dim: int, block_size: int,
+                           dtype: torch.dtype | None = None) -> tuple[type[AttentionBackend], str]:
     """The backend for this configuration and a one-line human-readable reason."""
     device = torch.device(device)
     if name != "auto":
-        return _checked(name, device, head_dim, block_size), f"{name!r} was asked for"
+        return _checked(name, device, head_dim, block_size, dtype), f"{name!r} was asked for"
     if device.type != "cuda":
-        return _checked("torch", device, head_dim, block_size), f"auto on {device.type}: 'torch'"
+        return _checked("torch", device, head_dim, block_size, dtype), f"auto on {device.type}: 'torch'"
     skipped = []
     for candidate in CUDA_AUTO_ORDER:
         try:
-            backend = _checked(candidate, device, head_dim, block_size)
+            backend = _checked(candidate, device, head_dim, block_size, dtype)
         except ValueError as e:
             skipped.append(f"{candidate}: {e}")
             continue
         reason = f"auto on cuda: {candidate!r}, the fastest usable of {CUDA_AUTO_ORDER}"
         return backend, reason + (f" (skipped {'; '.join(skipped)})" if skipped else "")
-    return _checked("torch", device, head_dim, block_size), f"auto on cuda: 'torch' ({'; '.join(skipped)})"
+    return _checked("torch", device, head_dim, block_size, dtype), f"auto on cuda: 'torch' ({'; '.join(skipped)})"
 
 
-def get_backend(name: str, device: torch.device | str, head_dim: int, block_size: int) -> type[AttentionBackend]:
-    return explain_backend_choice(name, device, head_dim, block_size)[0]
+def get_backend(name: str, device: torch.device | str, head_dim: int, block_size: int,
+                dtype: torch.dtype | None = None) -> type[AttentionBackend]:
+    return explain_backend_choice(name, device, head_dim, block_size, dtype)[0]
 
 
 __all__ = ["BACKEND_NAMES", "CUDA_AUTO_ORDER", "explain_backend_choice", "get_backend", "load_backend"]

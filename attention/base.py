@@ -74,6 +74,7 @@ class AttentionBackend:
     supported_head_sizes: tuple[int, ...] = (32, 64, 96, 128, 160, 192, 224, 256)
     # Whether a step's metadata can be baked into a CUDA graph (no host-side reads of its tensors).
     supports_cuda_graphs: bool = False
+    supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
     @classmethod
     def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:

@@ -53,6 +53,7 @@ class FlashAttnImpl(AttentionImpl):
 class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
     impl_cls = FlashAttnImpl
+    supported_dtypes = (torch.bfloat16, torch.float16)
     supports_cuda_graphs = False  # the prefill call takes host ints; decode-only would be fine, unverified
 
     @classmethod
@@ -86,6 +87,7 @@ class FlashAttn4Impl(AttentionImpl):
 class FlashAttn4Backend(AttentionBackend):
     name = "flash-attn-4"
     impl_cls = FlashAttn4Impl
+    supported_dtypes = (torch.bfloat16, torch.float16)  # its kernels have no float32 path
     # Captured and replayed with new metadata on the H200 (tests/test_attention_gpu.py's graph test):
     # nothing is read on the host, and its one host int, max_query_len, is 1 in every decode graph.
     supports_cuda_graphs = True

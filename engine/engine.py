@@ -84,7 +84,7 @@ class LLMEngine:
         head_dim = getattr(self.hf_config, "head_dim", None) or (
             self.hf_config.hidden_size // self.hf_config.num_attention_heads)
         self.backend, self.backend_reason = explain_backend_choice(config.attention_backend, self.device, head_dim,
-                                                        config.block_size)
+                                                                   config.block_size, self.dtype)
         self.backend_name = self.backend.name
         model = load_model(path, self.hf_config, self.dtype, self.device, self.backend)
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_from_memory(model)

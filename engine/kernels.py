@@ -102,21 +102,36 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _round_to(x, dtype: tl.constexpr):
+        """float32 -> the nearest value of `dtype` (round to nearest, ties to even), kept in float32.
+        bfloat16 by integer arithmetic: a plain `.to(bf16)` does not round to nearest everywhere (under the
+        interpreter it truncates), and that made outputs differ from HF's by an ulp on the H200."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        elif dtype == tl.float16:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps,
                              HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
-        x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0)
+        xf = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(res_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32))
-            x = x.to(new_res_ptr.dtype.element_ty)  # the residual stream is rounded like HF's `h + out`
-            tl.store(new_res_ptr + row * hidden + cols, x, mask=mask)
-        xf = x.to(tl.float32)
+            # The residual stream is rounded like HF's `h + out`, and the norm reads the rounded sum.
+            xf = _round_to(xf + tl.load(res_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32),
+                           new_res_ptr.dtype.element_ty)
+            tl.store(new_res_ptr + row * hidden + cols, xf.to(new_res_ptr.dtype.element_ty), mask=mask)  # exact
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-        normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        normed = _round_to(xf * rstd, out_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        out = _round_to(w * normed, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
@@ -131,16 +146,16 @@ if triton is not None:
             base = k_ptr + token * k_stride_t + (head - num_heads) * k_stride_h
         dtype = base.dtype.element_ty
         # HF casts cos/sin to the activation dtype and rounds each product and sum to it.
-        cos = tl.load(cache_ptr + pos * cache_stride + offs).to(dtype).to(tl.float32)
-        sin = tl.load(cache_ptr + pos * cache_stride + HALF + offs).to(dtype).to(tl.float32)
+        cos = _round_to(tl.load(cache_ptr + pos * cache_stride + offs), dtype)
+        sin = _round_to(tl.load(cache_ptr + pos * cache_stride + HALF + offs), dtype)
         x1 = tl.load(base + offs).to(tl.float32)
         x2 = tl.load(base + HALF + offs).to(tl.float32)
-        a1 = (x1 * cos).to(dtype).to(tl.float32)
-        b1 = (x2 * sin).to(dtype).to(tl.float32)
-        a2 = (x2 * cos).to(dtype).to(tl.float32)
-        b2 = (x1 * sin).to(dtype).to(tl.float32)
-        tl.store(base + offs, (a1 - b1).to(dtype))
-        tl.store(base + HALF + offs, (a2 + b2).to(dtype))
+        a1 = _round_to(x1 * cos, dtype)
+        b1 = _round_to(x2 * sin, dtype)
+        a2 = _round_to(x2 * cos, dtype)
+        b2 = _round_to(x1 * sin, dtype)
+        tl.store(base + offs, _round_to(a1 - b1, dtype).to(dtype))
+        tl.store(base + HALF + offs, _round_to(a2 + b2, dtype).to(dtype))
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -149,5 +164,5 @@ if triton is not None:
         mask = cols < inter
         gate = tl.load(x_ptr + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * 2 * inter + inter + cols, mask=mask, other=0.0)
-        act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # F.silu rounds to the dtype before the product
-        tl.store(out_ptr + row * inter + cols, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=mask)
+        act = _round_to(gate / (1.0 + tl.exp(-gate)), up.dtype)  # F.silu rounds to the dtype before the product
+        tl.store(out_ptr + row * inter + cols, _round_to(act * up.to(tl.float32), up.dtype).to(up.dtype), mask=mask)

