@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import psutil
 import pytest
 
 from server_utils import ServerThread, parse_metrics
@@ -171,6 +172,7 @@ def server(tiny_model_dir):
         assert card["max_model_len"] == MAX_MODEL_LEN
         yield s
         assert s.metrics()["kvserve_idle_invariant_violations_total"] == 0
+        assert_engine_sleeps(s)
 
 
 @pytest.fixture(scope="module")
@@ -196,15 +198,20 @@ def small_pool_server(tiny_model_dir):
 # ------------------------------------------------------------------------------------------ helpers
 
 
-@dataclass
-class Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-    seconds: float
+def engine_thread_cpu(server: ServerThread) -> float:
+    tid = server.aengine._thread.native_id
+    t = next(t for t in psutil.Process().threads() if t.id == tid)
+    return t.user_time + t.system_time
 
-    def json(self):
-        return json.loads(self.body)
+
+def assert_engine_sleeps(server: ServerThread, seconds: float = 0.5) -> None:
+    """An idle server's engine thread sleeps: a refused request left behind in the engine would keep it
+    stepping (empty steps, which no step counter shows) and burning a core."""
+    assert server.wait_blocks_free() == 0
+    time.sleep(0.1)  # the last step and the busy -> idle check
+    before = engine_thread_cpu(server)
+    time.sleep(seconds)
+    assert engine_thread_cpu(server) - before < 0.2 * seconds, "the engine thread spins while idle"
 
 
 def metrics(client: httpx.Client) -> dict[str, float]:
@@ -353,6 +360,17 @@ def test_omitted_max_tokens_on_a_capped_server_is_served_within_the_cap(small_po
     assert 1 <= r.json()["usage"]["completion_tokens"] <= 8
     over = httpx.post(small_pool_server.url(path), json={**body, "max_tokens": 9}, timeout=60)
     assert over.status_code == 400 and over.json()["error"]["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("body", [prompt(prompt=ids(125), max_tokens=8), prompt(prompt=ids(70), max_tokens=1),
+                                  prompt(prompt=ids(125), max_tokens=8, n=2)],
+                         ids=["over_context", "over_kv_pool", "over_context_n2"])
+def test_request_refused_by_the_engine_leaves_it_idle(small_pool_server, body):
+    """Refusals raised inside the engine (not by the server's own checks) leave nothing behind."""
+    r = httpx.post(small_pool_server.url(C), json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert_engine_sleeps(small_pool_server)
+    assert small_pool_server.aengine.num_live == 0
 
 
 # ------------------------------------------------------------------------------------------ raw sockets
