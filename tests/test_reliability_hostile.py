@@ -214,6 +214,17 @@ def assert_engine_sleeps(server: ServerThread, seconds: float = 0.5) -> None:
     assert engine_thread_cpu(server) - before < 0.2 * seconds, "the engine thread spins while idle"
 
 
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    seconds: float
+
+    def json(self):
+        return json.loads(self.body)
+
+
 def metrics(client: httpx.Client) -> dict[str, float]:
     return parse_metrics(client.get("/metrics").text)
 
