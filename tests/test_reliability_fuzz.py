@@ -3,8 +3,8 @@ server's /openapi.json; no response may be a 5xx, and every response must confor
 declared status code, a declared content type, a body matching the declared model (error responses
 included).
 
-Bounded: a fixed number of examples per operation, no shrinking, a tiny model with a short context and a
-short context, so the whole module runs in well under 90 s.
+Bounded: a fixed number of examples per operation, no shrinking, and a tiny model with a short context,
+so the whole module runs in well under 90 s.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def sse_events_conform(response) -> None:
     data = [ln[6:] for ln in response.content.decode("utf-8").split("\n") if ln.startswith("data: ")]
     if not response.stream_cut_short:
         assert data and data[-1] == "[DONE]", data[-3:]
-    for payload in data:
+    for i, payload in enumerate(data):
         if payload == "[DONE]":
-            assert payload is data[-1]
+            assert i == len(data) - 1, "events after [DONE]"
             continue
         event = json.loads(payload)
         if "error" in event:
