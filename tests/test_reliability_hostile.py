@@ -4,6 +4,7 @@ without echoing the input back; afterwards a normal request succeeds and no KV b
 One server per module (a tiny llama, max_model_len 128, a 64 KiB body limit) and a second one whose
 whole KV pool (64 tokens) is smaller than max_model_len. Raw-socket cases cover what an HTTP client
 library would not send: a chunked body over the limit, a lying Content-Length, oversized headers.
+Also here: the Docker image does not run as root.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import psutil
@@ -419,3 +421,13 @@ def test_hostile_raw_socket(server, client, baseline, name):
             assert_error_shape(reply, reply.status, codes)
         assert_no_echo(reply, None)
     assert_recovered(client, baseline)
+
+
+# ------------------------------------------------------------------------------------------ security
+
+
+def test_docker_image_runs_as_non_root():
+    """The image's last USER (the one the server runs as) is neither root nor uid 0."""
+    lines = (Path(__file__).resolve().parent.parent / "Dockerfile").read_text().splitlines()
+    users = [ln.split()[1] for ln in lines if ln.strip().upper().startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
