@@ -23,17 +23,16 @@ _REGISTRY = (
     ("triton", "attention.triton_paged", "TritonAttentionBackend"),
     ("flash-attn", "attention.flash_attn", "FlashAttnBackend"),
     ("flash-attn-4", "attention.flash_attn", "FlashAttn4Backend"),
-    ("triton+flash-attn-4", "attention.hybrid", "HybridAttentionBackend"),
 )
 BACKEND_NAMES = tuple(name for name, _, _ in _REGISTRY)
 
-# The "auto" order on CUDA, fastest first, measured on the H200 on 2026-12-02 (docs/benchmarks.md).
-# Kernels alone: our Triton kernel is 1.4-3.2x faster than flash-attn-4 on decode batches and long decodes
-# (its split-KV; flash-attn-4 cannot split on sm90); flash-attn-4 is faster on prefill-heavy batches
-# (1.15x at head dim 64, 2.2x at 128). End to end (Qwen2.5-0.5B shape, CUDA graphs): triton 39.2k vs
-# flash-attn-4 35.9k output tok/s on W-A, but 16.5k vs 42.0k on the prefill-heavy W-B. The hybrid takes
-# each side's faster kernel; float32 models skip it and flash-attn-4 (no float32 kernels) for triton.
-CUDA_AUTO_ORDER = ("triton+flash-attn-4", "flash-attn-4", "triton", "flash-attn")
+# The "auto" order on CUDA, measured on the H200 on 2026-12-02 (docs/benchmarks.md). Kernels alone: our
+# Triton kernel is 1.4-3.2x faster than flash-attn-4 on decode batches and long decodes (its split-KV;
+# flash-attn-4 cannot split on sm90); flash-attn-4 is faster on prefill-heavy batches (1.15x at head dim
+# 64, 2.2x at 128). End to end (Qwen2.5-0.5B shape, CUDA graphs, output tok/s): flash-attn-4 35.9k on W-A
+# and 42.0k on the prefill-heavy W-B; triton 39.2k and 16.5k. flash-attn-4 is the better all-rounder;
+# float32 models go to triton (flash-attn-4 has no float32 kernels).
+CUDA_AUTO_ORDER = ("flash-attn-4", "triton", "flash-attn")
 
 
 def load_backend(name: str) -> type[AttentionBackend]:
