@@ -174,7 +174,6 @@ def server(tiny_model_dir):
         assert card["max_model_len"] == MAX_MODEL_LEN
         yield s
         assert s.metrics()["kvserve_idle_invariant_violations_total"] == 0
-        assert_engine_sleeps(s)
 
 
 @pytest.fixture(scope="module")
@@ -421,6 +420,11 @@ def test_hostile_raw_socket(server, client, baseline, name):
             assert_error_shape(reply, reply.status, codes)
         assert_no_echo(reply, None)
     assert_recovered(client, baseline)
+
+
+def test_engine_sleeps_after_all_the_cases(server):
+    """Runs after every case above: nothing they left behind keeps the engine thread busy."""
+    assert_engine_sleeps(server)
 
 
 # ------------------------------------------------------------------------------------------ security
