@@ -40,6 +40,13 @@ class _Completion:
     needs_history: bool
 
 
+@dataclass
+class _Child:
+    """A completion made but not yet queued: registered only once the scheduler accepted the request."""
+    request: Request
+    completion: _Completion
+
+
 def needs_history(params: SamplingParams) -> bool:
     """Whether sampling this request's next token needs all its earlier tokens on the host."""
     return bool(params.min_tokens or params.presence_penalty or params.frequency_penalty
@@ -137,13 +144,16 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         children = [self._make_child(request_id, i, prompt_token_ids, params) for i in range(params.n)]
-        self.scheduler.add_request(children[0])  # raises before anything is queued
+        self.scheduler.add_request(children[0].request)  # raises before anything is queued
         for child in children[1:]:
-            self.scheduler.add_request(child)
-        self._children[request_id] = [c.request_id for c in children]
+            self.scheduler.add_request(child.request)
+        for child in children:
+            self._completions[child.request.request_id] = child.completion
+            self._num_history_requests += child.completion.needs_history
+        self._children[request_id] = [c.request.request_id for c in children]
         self._prompt_tokens += len(prompt_token_ids)
 
-    def _make_child(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Request:
+    def _make_child(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _Child:
         child_params = params.for_child(index) if params.n > 1 else params
         child_id = request_id if params.n == 1 else f"{request_id}#{index}"
         # Siblings wait for completion 0's prompt so they share its blocks through the prefix cache.
@@ -152,9 +162,7 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, child_params)
-        self._completions[child_id] = _Completion(request_id, index, detok, needs_history(child_params))
-        self._num_history_requests += needs_history(child_params)
-        return req
+        return _Child(req, _Completion(request_id, index, detok, needs_history(child_params)))
 
     def abort_request(self, request_id: str) -> None:
         for child_id in self._children.get(request_id, []):

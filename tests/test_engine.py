@@ -1,0 +1,71 @@
+"""LLMEngine: refusals leave nothing behind, aborts and failed steps free everything, seeds are per request."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.request import FinishReason, RequestError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=32, block_size=16, max_model_len=256)
+
+
+def _drain(engine) -> list:
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def test_refused_request_leaves_the_engine_idle(llm):
+    engine = llm.engine
+    with pytest.raises(RequestError) as e:
+        engine.add_request("too-long", [5] * 200, SamplingParams(max_tokens=100, n=2))
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(RequestError):
+        engine.add_request("oov", [engine.vocab_size], SamplingParams())
+    assert not engine.has_unfinished_requests()
+    engine.add_request("too-long", [5] * 10, SamplingParams(max_tokens=3))  # the id is free again
+    assert sum(len(o.new_token_ids) for o in _drain(engine)) == 3
+
+
+def test_abort_emits_abort_and_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("a", list(range(100, 160)), SamplingParams(max_tokens=50, ignore_eos=True, n=2))
+    engine.step()
+    assert engine.stats().scheduler.num_blocks_used > 0
+    engine.abort_request("a")
+    outs = _drain(engine)
+    assert sorted((o.index, o.finish_reason) for o in outs if o.finished) == [(0, FinishReason.ABORT),
+                                                                               (1, FinishReason.ABORT)]
+    assert engine.stats().scheduler.num_blocks_used == 0
+
+
+def test_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatch):
+    engine = llm.engine
+    real = engine.runner.launch
+    calls = {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(out)
+
+    monkeypatch.setattr(engine.runner, "launch", flaky)
+    engine.add_request("f", [7, 8, 9], SamplingParams(max_tokens=4))
+    outs = _drain(engine)
+    assert [(o.finish_reason, o.error is not None) for o in outs] == [(FinishReason.ERROR, True)]
+    assert engine.stats().scheduler.num_blocks_used == 0
+    engine.add_request("g", [7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert sum(len(o.new_token_ids) for o in _drain(engine)) == 4
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([[11, 12, 13]], params)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    mixed = llm.generate([[40, 41], [11, 12, 13], [50] * 30], [others, params, others])
+    assert mixed[1].outputs[0].token_ids == alone
