@@ -197,7 +197,7 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             outputs += self._finish(launched)
             self._inflight = None
-        if self._inflight is None and sched_out.is_empty:
+        if self._inflight is None and not self._completions:  # idle now: the step that ended the last request
             self._check_idle()
         return outputs
 

@@ -141,8 +141,6 @@ def test_stuck_step_turns_health_503_until_it_moves_again(server, faults, http):
     assert http.post("/v1/completions", json={"prompt": "new", "max_tokens": 2}).status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason="AsyncEngine._serve never calls _on_idle() after the last request "
-                   "finishes (docs/reliability.md, known issues): the idle invariant is never checked")
 def test_idle_invariant_catches_a_leaked_block(server, caplog):
     """The idle check is not vacuous: a block held by no request is counted and logged when the engine
     next goes idle. (Last of the tests on this server: its violation counter stays at 1 afterwards.)"""

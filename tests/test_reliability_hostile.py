@@ -29,10 +29,6 @@ ANY_400 = ("invalid_value", "invalid_type", "invalid_json", "missing_required_pa
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 
-# Known defect (docs/reliability.md, known issues): LLMEngine.add_request keeps the _Completion entries of a
-# request the scheduler refuses, so has_unfinished_requests() stays true and the engine thread spins.
-ENGINE_SPINS = pytest.mark.xfail(strict=True, reason="LLMEngine.add_request leaves a refused request's "
-                                 "completions behind: the engine thread spins while idle")
 
 
 def ids(n: int, start: int = 100) -> list[int]:
@@ -382,7 +378,6 @@ def test_omitted_max_tokens_on_a_capped_server_is_served_within_the_cap(small_po
 @pytest.mark.parametrize("body", [prompt(prompt=ids(125), max_tokens=8), prompt(prompt=ids(70), max_tokens=1),
                                   prompt(prompt=ids(125), max_tokens=8, n=2)],
                          ids=["over_context", "over_kv_pool", "over_context_n2"])
-@ENGINE_SPINS
 def test_request_refused_by_the_engine_leaves_it_idle(small_pool_server, body):
     """Refusals raised inside the engine (not by the server's own checks) leave nothing behind."""
     r = httpx.post(small_pool_server.url(C), json=body, timeout=30)
@@ -428,7 +423,6 @@ def test_hostile_raw_socket(server, client, baseline, name):
     assert_recovered(client, baseline)
 
 
-@ENGINE_SPINS
 def test_engine_sleeps_after_all_the_cases(server):
     """Runs after every case above: nothing they left behind keeps the engine thread busy."""
     assert_engine_sleeps(server)
