@@ -19,6 +19,8 @@ from engine.config import BACKENDS, DEVICES, DTYPES, EngineConfig
 logger = logging.getLogger("kvserve.server")
 
 ENV_PREFIX = "KVSERVE_"
+# KVSERVE_* variables that are not options: the config file's path, and the loader's cache directory.
+NOT_OPTIONS = (ENV_PREFIX + "CONFIG", ENV_PREFIX + "CACHE_DIR")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -193,7 +195,7 @@ def read_config_file(path: str | os.PathLike, options: dict[str, Option]) -> dic
 def read_env(env: dict[str, str], options: dict[str, Option]) -> dict:
     out = {}
     for key, text in env.items():
-        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+        if not key.startswith(ENV_PREFIX) or key in NOT_OPTIONS:
             continue
         name = key[len(ENV_PREFIX):].lower()
         if name in options:
