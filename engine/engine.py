@@ -1,9 +1,8 @@
-"""LLMEngine: one step = schedule() -> runner.execute() -> postprocess(). Single-threaded by design:
+"""LLMEngine: one step = schedule() -> runner.launch() -> collect() -> postprocess(). Single-threaded by design:
 the server drives it from its own engine thread."""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch

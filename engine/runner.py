@@ -132,9 +132,6 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        return self.collect(self.launch(out))
-
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle:
         """Queue the step's work on the device and return at once; inputs that the previous step sampled

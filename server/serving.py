@@ -169,18 +169,35 @@ async def completion_response(ctx: ServingContext, gen: Generation, req: Complet
             "choices": out, "usage": usage(gen, completion_tokens, cached)}
 
 
-def completion_stream(ctx: ServingContext, gen: Generation, req: CompletionRequest, rid: str,
-                      prompt_texts: list[str]):
-    created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    state = {"tokens": 0, "cached": {}}
+class StreamChunks:
+    """The envelope all chunks of one stream share; with include_usage every chunk carries `usage: null`
+    and a last chunk carries the totals (OpenAI's shape)."""
 
-    def chunk(choices: list[dict]) -> dict:
-        body = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                "choices": choices}
-        if include_usage:
+    def __init__(self, ctx: ServingContext, gen: Generation, rid: str, obj: str, stream_options) -> None:
+        self.base = {"id": rid, "object": obj, "created": int(time.time()), "model": ctx.model_name}
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.gen = gen
+        self.state = {"tokens": 0, "cached": {}}  # output tokens so far; cached prompt tokens per completion
+
+    def __call__(self, choices: list[dict]) -> dict:
+        body = {**self.base, "choices": choices}
+        if self.include_usage:
             body["usage"] = None
         return body
+
+    def usage_chunk(self) -> dict:
+        body = self([])
+        body["usage"] = usage(self.gen, self.state["tokens"], sum(self.state["cached"].values()))
+        return body
+
+    def events(self, chunks):
+        return stream_events(self.gen, chunks, self.usage_chunk if self.include_usage else None)
+
+
+def completion_stream(ctx: ServingContext, gen: Generation, req: CompletionRequest, rid: str,
+                      prompt_texts: list[str]):
+    chunk = StreamChunks(ctx, gen, rid, "text_completion", req.stream_options)
+    state = chunk.state
 
     async def chunks():
         offsets = {}
@@ -206,12 +223,7 @@ def completion_stream(ctx: ServingContext, gen: Generation, req: CompletionReque
                     choice["token_ids"] = out.new_token_ids
                 yield chunk([choice])
 
-    def usage_chunk() -> dict:
-        body = chunk([])
-        body["usage"] = usage(gen, state["tokens"], sum(state["cached"].values()))
-        return body
-
-    return stream_events(gen, chunks(), usage_chunk if include_usage else None)
+    return chunk.events(chunks())
 
 
 # ---- chat completions ----------------------------------------------------------------------------
@@ -240,16 +252,8 @@ async def chat_response(ctx: ServingContext, gen: Generation, req: ChatCompletio
 
 
 def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str):
-    created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    state = {"tokens": 0, "cached": {}}
-
-    def chunk(choices: list[dict]) -> dict:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                "choices": choices}
-        if include_usage:
-            body["usage"] = None
-        return body
+    chunk = StreamChunks(ctx, gen, rid, "chat.completion.chunk", req.stream_options)
+    state = chunk.state
 
     async def chunks():
         for idx in range(gen.params.n):
@@ -266,12 +270,7 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
                               "finish_reason": out.finish_reason.value if out.finished else None,
                               "stop_reason": out.stop_reason}])
 
-    def usage_chunk() -> dict:
-        body = chunk([])
-        body["usage"] = usage(gen, state["tokens"], sum(state["cached"].values()))
-        return body
-
-    return stream_events(gen, chunks(), usage_chunk if include_usage else None)
+    return chunk.events(chunks())
 
 
 # ---- prompts ---------------------------------------------------------------------------------------
