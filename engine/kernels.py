@@ -146,8 +146,8 @@ if triton is not None:
             base = k_ptr + token * k_stride_t + (head - num_heads) * k_stride_h
         dtype = base.dtype.element_ty
         # HF casts cos/sin to the activation dtype and rounds each product and sum to it.
-        cos = _round_to(tl.load(cache_ptr + pos * cache_stride + offs), dtype)
-        sin = _round_to(tl.load(cache_ptr + pos * cache_stride + HALF + offs), dtype)
+        cos = _round_to(tl.load(cache_ptr + pos * cache_stride + offs).to(tl.float32), dtype)
+        sin = _round_to(tl.load(cache_ptr + pos * cache_stride + HALF + offs).to(tl.float32), dtype)
         x1 = tl.load(base + offs).to(tl.float32)
         x2 = tl.load(base + HALF + offs).to(tl.float32)
         a1 = _round_to(x1 * cos, dtype)

@@ -127,9 +127,9 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
     def reset_cache(self) -> None:
-        """Refill the table in place; needed after `to_empty()` (the loader builds on the meta device)."""
-        with torch.no_grad():
-            self.cos_sin_cache.copy_(self._table())
+        """Rebuild the table on the buffer's device, in float32; needed after `to_empty()` (the loader builds
+        on the meta device) and after `model.to(dtype)`, which would otherwise leave it in bfloat16."""
+        self.cos_sin_cache = self._table().to(self.cos_sin_cache.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q [T, H, D], k [T, KVH, D]: HF's x * cos + rotate_half(x) * sin (kernels.rope_ref).

@@ -61,12 +61,13 @@ def test_add_rms_norm_kernel(dtype, hidden):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ("float32", "activation"))  # a table cast with the model must work too
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("head_dim", (32, 64, 128))
-def test_rope_kernel_on_strided_views(dtype, head_dim):
+def test_rope_kernel_on_strided_views(dtype, head_dim, cache_dtype):
     torch.manual_seed(0)
     T, H, KVH = 29, 14, 2
-    cache = _cos_sin_cache(head_dim).cuda()
+    cache = _cos_sin_cache(head_dim).cuda().to(torch.float32 if cache_dtype == "float32" else dtype)
     positions = torch.randint(0, 4096, (T,), device="cuda")
     qkv = torch.randn(T, (H + 2 * KVH) * head_dim, device="cuda", dtype=dtype)  # the fused projection's output
     q, k, v = qkv.split((H * head_dim, KVH * head_dim, KVH * head_dim), dim=-1)
