@@ -23,6 +23,7 @@ _REGISTRY = (
     ("triton", "attention.triton_paged", "TritonAttentionBackend"),
     ("flash-attn", "attention.flash_attn", "FlashAttnBackend"),
     ("flash-attn-4", "attention.flash_attn", "FlashAttn4Backend"),
+    ("triton+flash-attn-4", "attention.hybrid", "HybridAttentionBackend"),
 )
 BACKEND_NAMES = tuple(name for name, _, _ in _REGISTRY)
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "triton", "flash-attn", "flash-attn-4")
+BACKENDS = ("auto", "torch", "triton", "flash-attn", "flash-attn-4", "triton+flash-attn-4")
 
 
 @dataclass

@@ -243,4 +243,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [n, vocab]
+        # [n, vocab] in the model dtype: greedy rows need only an argmax; the sampler casts where it computes.
+        return F.linear(hidden, weight)

@@ -89,7 +89,7 @@ def profile_step_peak_bytes(model, hf_config, backend, device: torch.device, dty
     positions = torch.cat([torch.arange(s.query_len, device=device) for s in seqs])
     hidden = model(ids, positions, kv, meta)  # [num_tokens, hidden]
     rows = torch.zeros(num_seqs, dtype=torch.long, device=device)
-    logits = model.compute_logits(hidden[rows])  # [num_seqs, vocab]
+    logits = model.compute_logits(hidden[rows]).float()  # [num_seqs, vocab]: the sampler's float32 copy
     torch.softmax(logits, dim=-1).div_(torch.empty_like(logits).exponential_()).argmax(dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base

@@ -45,11 +45,13 @@ class Sampler:
         """logits [n, vocab] -> (tokens [n] int64, log-probs [n, vocab] or None), without waiting for the
         device: the runner launches the next step before it reads these."""
         assert logits.dim() == 2 and logits.shape[0] == len(requests), "one logits row per request"
-        logits = process_logits(logits.float(), requests)
+        # Logits stay in the model dtype until a stage computes with them: an all-greedy batch is one argmax
+        # over bfloat16 (the same token as over its exact float32 copy), not a cast of [n, vocab] first.
+        logits = process_logits(logits, requests)
         tokens = self._choose(logits, requests)  # [n] int64 on the logits' device
         if all(r.sampling_params.logprobs is None for r in requests):
             return tokens, None
-        return tokens, torch.log_softmax(logits, dim=-1)  # before temperature / truncation
+        return tokens, torch.log_softmax(logits.float(), dim=-1)  # before temperature / truncation
 
     @staticmethod
     def to_host(tokens: torch.Tensor, token_lp: torch.Tensor | None, params: list[SamplingParams]) -> SamplerOutput:
@@ -72,7 +74,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Random rows only. logits [m, vocab] -> tokens [m]."""
         params = [r.sampling_params for r in requests]
-        logits = truncate_logits(logits, params)
+        logits = truncate_logits(logits.float(), params)
         probs = torch.softmax(logits, dim=-1)  # [m, vocab]
         q = self._exponentials(probs, requests)  # [m, vocab]
         # Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i. It lets each
@@ -110,14 +112,14 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
 
 
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logit_bias, min_tokens, penalties. Returns `logits` itself when nothing applies, else a copy."""
+    """logit_bias, min_tokens, penalties. Returns `logits` itself when nothing applies, else a float32 copy."""
     params = [r.sampling_params for r in requests]
     bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
     min_rows = [i for i, r in enumerate(requests) if len(r.output_token_ids) < r.sampling_params.min_tokens]
     pen_rows = [i for i, p in enumerate(params) if _has_penalty(p)]
     if not (bias_rows or min_rows or pen_rows):
         return logits
-    logits = logits.clone()  # the caller's logits stay untouched
+    logits = logits.to(torch.float32, copy=True)  # the caller's logits stay untouched
     if bias_rows:
         apply_logit_bias(logits, bias_rows, params)
     if min_rows:

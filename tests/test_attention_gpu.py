@@ -17,7 +17,7 @@ from attention.torch_ref import TorchAttentionImpl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-BACKENDS = ["triton", "flash-attn", "flash-attn-4"]
+BACKENDS = ["triton", "flash-attn", "flash-attn-4", "triton+flash-attn-4"]
 NUM_KV_HEADS = 2
 # (block_size, GQA group, head_dim): every block size, group and head dim appears, without the full product.
 CONFIGS = [(16, 1, 64), (16, 7, 128), (64, 2, 128), (64, 8, 64), (128, 7, 64), (128, 1, 128),

@@ -87,7 +87,7 @@ def test_reference_keeps_bfloat16():
 
 
 def test_registry_on_cpu():
-    assert set(BACKEND_NAMES) == {"torch", "triton", "flash-attn", "flash-attn-4"}
+    assert set(BACKEND_NAMES) == {"torch", "triton", "flash-attn", "flash-attn-4", "triton+flash-attn-4"}
     backend, reason = explain_backend_choice("auto", torch.device("cpu"), 64, 16)
     assert backend is TorchAttentionBackend and "cpu" in reason
     assert get_backend("torch", "cpu", 80, 16) is TorchAttentionBackend

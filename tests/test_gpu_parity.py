@@ -17,7 +17,7 @@ from tests.test_parity import make_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-BACKENDS = ("triton", "flash-attn-4", "torch")
+BACKENDS = ("triton", "flash-attn-4", "triton+flash-attn-4", "torch")
 
 
 @pytest.fixture(scope="module")
