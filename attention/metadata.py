@@ -64,6 +64,29 @@ def _num_padding(num_real: int, pad_to: int | None, what: str) -> int | None:
     return pad_to - num_real
 
 
+@dataclass
+class HostMetadata:
+    """AttentionMetadata's fields as host arrays, before any copy: CUDA-graph steps write these straight
+    into their pinned staging buffers instead of making one device tensor per field."""
+
+    num_prefills: int
+    num_prefill_tokens: int
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_tables: np.ndarray  # [num_seqs, width] int32
+    seq_lens: np.ndarray  # [num_seqs] int64
+    context_lens: np.ndarray  # [num_seqs] int64
+    query_start_loc: np.ndarray  # [num_seqs + 1] int64
+    seq_start_loc: np.ndarray  # [num_seqs + 1] int64
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.query_start_loc).max())
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max())
+
+
 class AttentionMetadataBuilder:
     def __init__(self, block_size: int, device: torch.device | str) -> None:
         self.block_size = block_size
@@ -74,6 +97,25 @@ class AttentionMetadataBuilder:
         """`seqs`: prefills first, then decodes. Padding (see the module doc) appends padded decodes;
         one padding token per padded sequence, so given both, the two paddings must be equal.
         `pad_to_blocks_per_seq` widens block_tables (a CUDA graph's fixed width)."""
+        host = self.build_host(seqs, pad_to_num_tokens, pad_to_num_seqs, pad_to_blocks_per_seq)
+        num_tokens = int(host.query_start_loc[-1])
+        return AttentionMetadata(
+            num_prefills=host.num_prefills,
+            num_prefill_tokens=host.num_prefill_tokens,
+            num_decode_tokens=num_tokens - host.num_prefill_tokens,
+            slot_mapping=self._to_device(host.slot_mapping, torch.int64),
+            block_tables=self._to_device(host.block_tables, torch.int32),
+            seq_lens=self._to_device(host.seq_lens, torch.int32),
+            context_lens=self._to_device(host.context_lens, torch.int32),
+            query_start_loc=self._to_device(host.query_start_loc, torch.int32),
+            seq_start_loc=self._to_device(host.seq_start_loc, torch.int32),
+            max_query_len=host.max_query_len,
+            max_seq_len=host.max_seq_len,
+        )
+
+    def build_host(self, seqs: Sequence[SeqSpec], pad_to_num_tokens: int | None = None,
+                   pad_to_num_seqs: int | None = None, pad_to_blocks_per_seq: int | None = None) -> HostMetadata:
+        """build()'s arrays on the host; same arguments."""
         if not seqs:
             raise ValueError("cannot build attention metadata for an empty batch")
         num_prefills = _check_order(seqs, self.block_size)
@@ -94,20 +136,8 @@ class AttentionMetadataBuilder:
         slot_mapping = self._slot_mapping(block_tables, context_lens, query_lens, query_start_loc)
         slot_mapping[num_real_tokens:] = PAD_SLOT_ID
 
-        num_prefill_tokens = int(query_lens[:num_prefills].sum())
-        return AttentionMetadata(
-            num_prefills=num_prefills,
-            num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=int(query_start_loc[-1]) - num_prefill_tokens,
-            slot_mapping=self._to_device(slot_mapping, torch.int64),
-            block_tables=self._to_device(block_tables, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            context_lens=self._to_device(context_lens, torch.int32),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_start_loc=self._to_device(seq_start_loc, torch.int32),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
+        return HostMetadata(num_prefills, int(query_lens[:num_prefills].sum()), slot_mapping, block_tables, seq_lens,
+                            context_lens, query_start_loc, seq_start_loc)
 
     def _block_tables(self, seqs: Sequence[SeqSpec], seq_lens: np.ndarray, num_pad: int,
                       pad_to_blocks_per_seq: int | None) -> np.ndarray:

@@ -7,7 +7,8 @@ requests (512-token prompts, greedy), steps until every one of them decodes, the
   1. times --steps decode steps end to end, and the host's share of each (schedule, launch, postprocess;
      `collect` is the wait for the device),
   2. records --profile-steps more under torch.profiler and sums device time per kernel,
-  3. compares the step with the roofline: weights + the KV read per step over --hbm-tb-s.
+  3. compares the step with the roofline: weights + the KV read per step over --hbm-tb-s,
+  4. runs cProfile over --profile-steps more: the host functions with the most own time.
 Prints a table per backend and writes JSON.
 """
 from __future__ import annotations
@@ -89,6 +90,23 @@ def time_steps(engine, steps: int) -> dict:
     return {"step_ms": wall * 1e3, **{f"{k}_ms": v * 1e3 for k, v in parts.items()}}
 
 
+def profile_host(engine, steps: int, top: int = 20) -> list[dict]:
+    """cProfile over `steps` steps: the host functions with the most own time (per step)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own time, cumulative, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}({name})", "own_us_per_step": v[2] / steps * 1e6,
+             "cum_us_per_step": v[3] / steps * 1e6, "calls_per_step": v[0] / steps} for (f, line, name), v in rows]
+
+
 def profile_kernels(engine, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -111,12 +129,14 @@ def profile_kernels(engine, steps: int) -> dict:
 
 
 def roofline_ms(engine, hbm_bytes_per_s: float) -> dict:
+    from engine.runner import kv_bytes_per_block
+
     """Bytes a decode step must read at least: every weight once (the tied embedding once, as lm_head) and
     every cached K/V of every running sequence, over the HBM bandwidth."""
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = sum(k[0, 0].numel() * k.element_size() * 2 for k, _ in engine.runner.kv_caches) // (
-        engine.runner.block_size)
+    block_size = engine.runner.block_size
+    kv_per_token = kv_bytes_per_block(engine.hf_config, block_size, engine.dtype) // block_size  # K and V, all layers
     ctx_tokens = sum(r.num_tokens for r in engine.scheduler.running)
     kv_bytes = ctx_tokens * kv_per_token
     return {"weight_gb": weight_bytes / 1e9, "kv_gb": kv_bytes / 1e9,
@@ -134,8 +154,9 @@ def profile_backend(model_dir: Path, backend: str, args) -> dict:
     timing = time_steps(llm.engine, args.steps)
     roof = roofline_ms(llm.engine, args.hbm_tb_s * 1e12)
     kernels = profile_kernels(llm.engine, args.profile_steps)
+    host = profile_host(llm.engine, args.profile_steps)
     result = {"backend": llm.engine.backend_name, "enforce_eager": args.enforce_eager, **timing, **roof,
-              "kernels": kernels}
+              "kernels": kernels, "host_functions": host}
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -155,6 +176,10 @@ def print_result(r: dict) -> None:
     print(f"{'us/step':>9} {'calls':>6} {'share':>6}  kernel")
     for row in k["top"]:
         print(f"{row['us_per_step']:9.1f} {row['calls_per_step']:6.0f} {row['share']:6.1%}  {row['kernel']}")
+    print(f"host, cProfile (inflates small calls): {'own us':>8} {'cum us':>8} {'calls':>6}  function (per step)")
+    for row in r["host_functions"]:
+        print(f"{'':39}{row['own_us_per_step']:8.1f} {row['cum_us_per_step']:8.1f} {row['calls_per_step']:6.0f}  "
+              f"{row['function']}")
 
 
 def main() -> int:

@@ -69,6 +69,8 @@ class KVCacheManager:
         if computed_blocks and request.block_ids:
             raise ValueError("cache hits are only taken by a request that holds no blocks")
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        if not computed_blocks and num_tokens <= len(request.block_ids) * self.block_size:
+            return True  # most decode steps: the last block still has room
         num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(computed_blocks))
         # Reviving an evictable hit takes it out of what can be allocated.
         num_revived = sum(1 for b in computed_blocks if self.pool.is_evictable(b))

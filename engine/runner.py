@@ -121,10 +121,14 @@ class ModelRunner:
         self.graphs = None
         self._last = StepHandle([], [], None, None, None, None)  # the step launched most recently
         if use_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
-            max_blocks = -(-max_model_len // block_size)
-            self.graphs = CudaGraphDecoder(model, self.kv_caches, self.builder, min(max_num_seqs, 512), max_blocks,
-                                           device)
+            self.graphs = self.make_decoder(max_num_seqs, max_model_len, capture=True)
             self.graphs.capture()
+
+    def make_decoder(self, max_num_seqs: int, max_model_len: int, capture: bool) -> CudaGraphDecoder:
+        """The decode-step path through static buffers (captured as CUDA graphs when `capture`)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        return CudaGraphDecoder(self.model, self.kv_caches, self.builder, min(max_num_seqs, 512), max_blocks,
+                                max_num_seqs, self.device, capture=capture)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)
@@ -139,19 +143,13 @@ class ModelRunner:
         for rid in out.finished_ids:
             self.sampler.free(rid)
         inputs = prepare_inputs(out)
-        input_ids = self._to_device(inputs.input_ids)  # [num_tokens]
-        positions = self._to_device(inputs.positions)  # [num_tokens]
-        if inputs.pending:
-            self._fill_pending(input_ids, inputs.pending)
-        if self.graphs is not None and self.graphs.can_run(inputs.seqs):
-            hidden = self.graphs.run(input_ids, positions, inputs.seqs)  # [num_tokens, hidden]
-        else:
-            meta = self.builder.build(inputs.seqs)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         ids = [r.request_id for r in inputs.sample_requests]
+        if self.graphs is not None and self.graphs.can_run(inputs.seqs, len(self._last.request_ids)):
+            logits = self._run_decode_graph(inputs)  # [n, vocab]
+        else:
+            logits = self._run_eager(inputs)  # [n, vocab]
         handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
         if ids:
-            logits = self.model.compute_logits(hidden[self._to_device(inputs.sample_indices)])  # [n, vocab]
             handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, inputs.sample_requests)
             if self.device.type == "cuda":
                 handle.host_tokens = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
@@ -160,6 +158,28 @@ class ModelRunner:
                 handle.done.record()
         self._last = handle
         return handle
+
+    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
+        input_ids = self._to_device(inputs.input_ids)  # [num_tokens]
+        positions = self._to_device(inputs.positions)  # [num_tokens]
+        if inputs.pending:
+            self._fill_pending(input_ids, inputs.pending)
+        meta = self.builder.build(inputs.seqs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden[self._to_device(inputs.sample_indices)])  # [n, vocab]
+
+    def _run_decode_graph(self, inputs: StepInputs) -> torch.Tensor:
+        # One token per sequence: flat token index == sequence index.
+        prev_rows = [-1] * len(inputs.seqs)
+        if inputs.pending:
+            row_of = {rid: i for i, rid in enumerate(self._last.request_ids)}
+            for i, rid in inputs.pending:
+                prev_rows[i] = row_of[rid]
+        logits = self.graphs.run(inputs.seqs, inputs.input_ids, inputs.positions, prev_rows,
+                                 self._last.tokens if inputs.pending else None)  # [num_seqs, vocab]
+        if len(inputs.sample_indices) < len(inputs.seqs):  # a 1-token prefill chunk that does not sample
+            logits = logits[self._to_device(inputs.sample_indices)]
+        return logits
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
         last = self._last
