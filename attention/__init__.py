@@ -27,13 +27,13 @@ _REGISTRY = (
 )
 BACKEND_NAMES = tuple(name for name, _, _ in _REGISTRY)
 
-# The "auto" order on CUDA, measured on the H200 on 2026-12-02 (docs/benchmarks.md). Kernels alone: our
-# Triton kernel is 1.4-3.2x faster than flash-attn-4 on decode batches and long decodes (its split-KV;
-# flash-attn-4 cannot split on sm90); flash-attn-4 is faster on prefill-heavy batches (1.15x at head dim
-# 64, 2.2x at 128). End to end (Qwen2.5-0.5B shape, CUDA graphs, output tok/s): flash-attn-4 35.9k on W-A
-# and 42.0k on the prefill-heavy W-B; triton 39.2k and 16.5k. flash-attn-4 is the better all-rounder;
-# float32 models go to triton (flash-attn-4 has no float32 kernels).
-CUDA_AUTO_ORDER = ("flash-attn-4", "triton", "flash-attn")
+# The "auto" order on CUDA, measured on the H200 (docs/benchmarks.md). Kernels alone: our Triton kernel is
+# 1.4-3.2x faster than flash-attn-4 on decode batches and long decodes (its split-KV; flash-attn-4 cannot
+# split on sm90, and a decode step's profile shows it at 1.67 ms vs 0.77 ms of a 256-sequence step);
+# flash-attn-4 is faster on prefill-heavy batches. The hybrid takes each one's side: decode steps (the
+# CUDA graphs) through Triton, steps with prefills through flash-attn-4. Float32 models skip both
+# flash-attn-4 users (no float32 kernels) and get triton.
+CUDA_AUTO_ORDER = ("triton+flash-attn-4", "triton", "flash-attn-4", "flash-attn")
 
 
 def load_backend(name: str) -> type[AttentionBackend]:

@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -430,7 +431,11 @@ def run_all(args, model_path: Path, w: Workload, methods: list[str]) -> list[Mea
     measurements = []
     for backend in [b.strip() for b in args.attention_backend.split(",") if b.strip()]:
         print(f"kvserve, attention backend {backend}: {len(w.prompts)} requests ...", flush=True)
-        measurements.append(run_kvserve(model_path, engine_options(args, backend), w, args.repeat, args.warmup))
+        try:
+            measurements.append(run_kvserve(model_path, engine_options(args, backend), w, args.repeat, args.warmup))
+        except Exception:  # noqa: BLE001 - one failing backend must not lose the others' figures
+            print(f"bench throughput: kvserve with {backend} failed:\n{traceback.format_exc()}", file=sys.stderr)
+            _free_device_memory()
     if methods:
         device = resolve_device(args.device or "auto")
         dtype = resolve_dtype(args.dtype or "auto", device)

@@ -114,3 +114,14 @@ def test_bad_arguments_fail_cleanly(capsys):
                  ["--model", "/nonexistent/model"], ["--model", "x", "--model-config", "qwen2.5-0.5b"]):
         assert bt.main(bt.build_parser().parse_args(argv)) == 1
     assert "bench throughput:" in capsys.readouterr().err
+
+
+def test_a_failing_backend_keeps_the_others_figures(tmp_path, capsys):
+    """On this CPU `triton` cannot start: its failure is reported and torch's figures still come out."""
+    result = _run(tmp_path, "--model-config", json.dumps(TINY_CONFIG), "--num-prompts", "3",
+                  "--random-input-len", "8", "--random-output-len", "4", "--attention-backend", "triton,torch",
+                  "--no-warmup")
+    (kv,) = result["results"]
+    assert kv["name"].startswith("kvserve (torch") and kv["output_tokens"] == result["workload"]["output_tokens"]
+    err = capsys.readouterr().err
+    assert "kvserve with triton failed" in err and "ValueError" in err

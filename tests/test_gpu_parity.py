@@ -90,12 +90,41 @@ def test_smollm2_float32_identical(smollm2_dir, backend):
     assert _ours(llm, prompts, 24) == _hf_greedy(smollm2_dir, prompts, torch.float32, 24, eos)
 
 
+def _top2_gap_fp32(model_dir, tokens: list[int]) -> float:
+    """transformers' float32 gap between its best and second-best next token after `tokens`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    with torch.inference_mode():
+        top = model(torch.tensor([tokens], device="cuda")).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+# bfloat16 keeps 8 bits of mantissa: at SmolLM2's logit sizes (~15-25) one step is 0.06-0.125. Two tokens
+# closer than two steps in float32 are a coin toss for any bfloat16 engine (transformers' own bf16 and
+# fp32 greedy part at such ties on 3 of these 8 prompts); a real fault parts where the model is sure.
+NEAR_TIE = 0.25
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_smollm2_bfloat16_first_32_tokens(smollm2_dir, smollm2_tokenizer, backend):
+    """The issue's bar, for the backend `auto` picks: the first 32 greedy tokens of at least 7 of 8 prompts
+    identical to transformers' in bfloat16. Every backend: wherever it parts from transformers, the
+    step is a near-tie of transformers' float32 logits."""
+    from attention import get_backend
+
     llm = _engine_or_skip(smollm2_dir, backend, "bfloat16")
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are",
              "In 1492, Columbus", "Water boils at", "The quick brown fox", "To make a cup of tea,"]
     prompts = [smollm2_tokenizer.encode(t) for t in texts]
     expected = _hf_greedy(smollm2_dir, prompts, torch.bfloat16, 32, sorted(llm.engine.eos_token_ids))
-    same = sum(g[:32] == e[:32] for g, e in zip(_ours(llm, prompts, 32), expected))
-    assert same >= 7, f"only {same} of 8 prompts matched transformers in bfloat16"
+    ours = _ours(llm, prompts, 32)
+    for prompt, got, want in zip(prompts, ours, expected):
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if at is not None:
+            gap = _top2_gap_fp32(smollm2_dir, prompt + want[:at])
+            assert gap < NEAR_TIE, f"parted from transformers at token {at} where float32 is sure (gap {gap:.3f})"
+    same = sum(g[:32] == e[:32] for g, e in zip(ours, expected))
+    auto = get_backend("auto", torch.device("cuda"), llm.engine.runner.model.args.head_dim, 16, torch.bfloat16)
+    if backend == auto.name:
+        assert same >= 7, f"only {same} of 8 prompts matched transformers in bfloat16"
