@@ -27,13 +27,14 @@ _REGISTRY = (
 )
 BACKEND_NAMES = tuple(name for name, _, _ in _REGISTRY)
 
-# The "auto" order on CUDA, measured on the H200 (docs/benchmarks.md). Kernels alone: our Triton kernel is
-# 1.4-3.2x faster than flash-attn-4 on decode batches and long decodes (its split-KV; flash-attn-4 cannot
-# split on sm90, and a decode step's profile shows it at 1.67 ms vs 0.77 ms of a 256-sequence step);
-# flash-attn-4 is faster on prefill-heavy batches. The hybrid takes each one's side: decode steps (the
-# CUDA graphs) through Triton, steps with prefills through flash-attn-4. Float32 models skip both
-# flash-attn-4 users (no float32 kernels) and get triton.
-CUDA_AUTO_ORDER = ("triton+flash-attn-4", "triton", "flash-attn-4", "flash-attn")
+# The "auto" order on CUDA, measured on the H200 on 2026-12-02 (docs/benchmarks.md, one machine session,
+# Qwen2.5-0.5B shape, output tok/s, median of 3): triton 54.4k on W-B and 38.0k on W-A, flash-attn-4 52.7k
+# and 44.3k, the hybrid (Triton decode graphs, flash-attn-4 prefills) 45.9k and 42.1k; vLLM 0.24.0 24.1k
+# and 25.5k beside them. No backend wins both; triton is first: the best on W-B, within 14% of the best on
+# W-A, greedy bfloat16 tokens closest to transformers' (7 of 8 SmolLM2 prompts over 32 tokens against
+# flash-attn-4's 5), float32-capable, and steady: runs through flash-attn-4 had outlier repetitions (W-A
+# 6.2 s against ~3 s), which look like its just-in-time compiles of new shape variants (not confirmed).
+CUDA_AUTO_ORDER = ("triton", "flash-attn-4", "triton+flash-attn-4", "flash-attn")
 
 
 def load_backend(name: str) -> type[AttentionBackend]:
