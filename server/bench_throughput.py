@@ -180,7 +180,7 @@ def engine_options(args: argparse.Namespace, backend: str | None) -> dict:
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.enforce_eager:
         opts["enforce_eager"] = True
-    if args.no_prefix_caching:
+    if not args.prefix_caching:
         opts["enable_prefix_caching"] = False
     if args.no_async_scheduling:
         opts["async_scheduling"] = False
@@ -363,7 +363,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         e.add_argument(flag, type=int, default=None)
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     e.add_argument("--enforce-eager", action="store_true")
-    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="off by default: repeated runs resend the same prompts and would measure the cache "
+                        "(vLLM's peer script turns it off too)")
     e.add_argument("--no-async-scheduling", action="store_true")
     e.add_argument("--skip-tokenizer-init", action="store_true", help="no detokenization (token ids out only)")
     c = parser.add_argument_group("measurement")

@@ -125,3 +125,11 @@ def test_a_failing_backend_keeps_the_others_figures(tmp_path, capsys):
     assert kv["name"].startswith("kvserve (torch") and kv["output_tokens"] == result["workload"]["output_tokens"]
     err = capsys.readouterr().err
     assert "kvserve with triton failed" in err and "ValueError" in err
+
+
+def test_prefix_caching_is_off_unless_asked():
+    """Repetitions resend the same prompts: with the cache on they would time cache hits, not prefill."""
+    parse = bt.build_parser().parse_args
+    assert bt.engine_options(parse([]), "torch")["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in bt.engine_options(parse(["--prefix-caching"]), "torch")
+    assert bt.engine_options(parse(["--no-prefix-caching"]), "torch")["enable_prefix_caching"] is False
