@@ -3,7 +3,9 @@
 # each GPU backend, then transformers on W-B, all logged under $OUT (or ./gpu-out). vLLM runs separately
 # (shared/peers/vllm) on the same host right before or after; docs/benchmarks.md has the figures.
 # Each part fits in one 10-minute device call: run them as separate calls, back to back.
-# Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa|hf [extra bench-throughput args...]
+# Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa [extra bench-throughput args...]
+#        bash benchmarks/gpu_session.sh hf wb|wa generate|generate_batch|generate,generate_batch
+# (transformers on W-A runs ~2 min a repetition with generate_batch: one method per call there.)
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
 what="${1:?tests|profile|wb|wa|hf}"; shift || true
@@ -28,8 +30,9 @@ case "$what" in
       "${common[@]}" "$@" --out "$out/kvserve-$what.json" > "$out/kvserve-$what.log" 2>&1
     show "$out/kvserve-$what.log" 30 ;;
   hf)
-    timeout 560 python3 -m server.bench_throughput --preset wb --attention-backend "${backends%%,*}" \
-      --compare-hf generate,generate_batch "${common[@]}" "$@" --out "$out/hf-wb.json" > "$out/hf-wb.log" 2>&1
-    show "$out/hf-wb.log" 20 ;;
+    preset="${1:-wb}"; methods="${2:-generate,generate_batch}"; tag="hf-$preset-${methods//,/-}"
+    timeout 580 python3 -m server.bench_throughput --preset "$preset" --attention-backend "${backends%%,*}" \
+      --compare-hf "$methods" "${common[@]}" --out "$out/$tag.json" > "$out/$tag.log" 2>&1
+    show "$out/$tag.log" 20 ;;
   *) echo "unknown part $what: tests|profile|wb|wa|hf" >&2; exit 2 ;;
 esac
