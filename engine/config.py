@@ -8,6 +8,12 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton", "flash-attn", "flash-attn-4", "triton+flash-attn-4")
 
 
+def need(cond: bool, msg: str) -> None:
+    """A settings check: ValueError(msg) unless cond (the server's settings use it too)."""
+    if not cond:
+        raise ValueError(msg)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
@@ -34,10 +40,6 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ValueError(msg)
-
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         need(self.attention_backend in BACKENDS,

@@ -215,10 +215,8 @@ def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
         rid = serving.new_id("cmpl")
         _log_request(ctx, rid, texts or prompts, prompts)
         gen = await aengine.generate(rid, prompts, params, req.timeout)
-        if req.stream:
-            return SSEResponse(serving.completion_stream(ctx, gen, req, rid, texts))
-        body = await unless_disconnected(request, serving.completion_response(ctx, gen, req, rid, texts))
-        return JSONResponse(body) if body is not None else Response(status_code=499)
+        return await _respond(request, req.stream, lambda: serving.completion_stream(ctx, gen, req, rid, texts),
+                              lambda: serving.completion_response(ctx, gen, req, rid, texts))
 
     @app.post("/v1/chat/completions",
               responses={200: {"model": P.ChatCompletionResponse, "content": _SSE}, **_ERRORS},
@@ -233,10 +231,8 @@ def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
         rid = serving.new_id("chatcmpl")
         _log_request(ctx, rid, [P.message_dicts(req.messages)], [prompt])
         gen = await aengine.generate(rid, [prompt], params, req.timeout)
-        if req.stream:
-            return SSEResponse(serving.chat_stream(ctx, gen, req, rid))
-        body = await unless_disconnected(request, serving.chat_response(ctx, gen, req, rid))
-        return JSONResponse(body) if body is not None else Response(status_code=499)
+        return await _respond(request, req.stream, lambda: serving.chat_stream(ctx, gen, req, rid),
+                              lambda: serving.chat_response(ctx, gen, req, rid))
 
     @app.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
     async def models():
@@ -245,6 +241,14 @@ def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
         card = {"id": ctx.model_name, "object": "model", "created": aengine.created,
                 "owned_by": "kvserve", "max_model_len": eng.max_model_len}
         return {"object": "list", "data": [card]}
+
+
+async def _respond(request: Request, stream: bool, make_stream, make_body) -> Response:
+    """An SSE stream, or the whole JSON body once ready (499 when the client left before it was)."""
+    if stream:
+        return SSEResponse(make_stream())
+    body = await unless_disconnected(request, make_body())
+    return JSONResponse(body) if body is not None else Response(status_code=499)
 
 
 def _add_tokenizer_routes(app: FastAPI) -> None:

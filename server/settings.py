@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import BACKENDS, DEVICES, DTYPES, EngineConfig
+from engine.config import BACKENDS, DEVICES, DTYPES, EngineConfig, need
 
 logger = logging.getLogger("kvserve.server")
 
@@ -52,10 +52,6 @@ class ServerSettings:
         self.validate()
 
     def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ValueError(msg)
-
         need(0 < self.port < 65536, f"port must be in [1, 65535], got {self.port}")
         need(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
         for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_stop_length", "max_waiting_requests",
