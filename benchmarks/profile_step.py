@@ -27,17 +27,21 @@ import torch  # noqa: E402
 
 from server.bench_throughput import build_random_model, parse_model_config, workload_wb  # noqa: E402
 
-HOST_PARTS = ("schedule", "launch", "postprocess", "collect")
+# launch includes inputs (prepare_inputs) and metadata (the host arrays of the attention metadata).
+HOST_PARTS = ("schedule", "launch", "inputs", "metadata", "postprocess", "collect")
 
 
 class PartTimer:
-    """Wraps bound methods so each call's wall time adds up under a name (host-side view of a step)."""
+    """Wraps methods or module functions so each call's wall time adds up under a name (the host-side
+    view of a step); restore() puts the originals back."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
+        self._wrapped: list[tuple[object, str, object]] = []
 
     def wrap(self, obj, attr: str, name: str) -> None:
         fn = getattr(obj, attr)
+        self._wrapped.append((obj, attr, obj.__dict__.get(attr)))
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -47,6 +51,14 @@ class PartTimer:
                 self.totals[name] += time.perf_counter() - start
 
         setattr(obj, attr, timed)
+
+    def restore(self) -> None:
+        for obj, attr, original in reversed(self._wrapped):
+            if original is None:
+                delattr(obj, attr)  # an instance attribute shadowing the class's method
+            else:
+                setattr(obj, attr, original)
+        self._wrapped.clear()
 
 
 def start_decoding(llm, num_requests: int) -> None:
@@ -70,9 +82,13 @@ def sync() -> None:
 
 
 def time_steps(engine, steps: int) -> dict:
+    import engine.runner as runner_module
+
     timer = PartTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "launch", "launch")
+    timer.wrap(runner_module, "prepare_inputs", "inputs")
+    timer.wrap(engine.runner.builder, "build_host", "metadata")
     timer.wrap(engine.runner, "collect", "collect")
     timer.wrap(engine, "_postprocess", "postprocess")
     sync()
@@ -81,9 +97,7 @@ def time_steps(engine, steps: int) -> dict:
         engine.step()
     sync()
     wall = (time.perf_counter() - start) / steps
-    for obj, attr in ((engine.scheduler, "schedule"), (engine.runner, "launch"), (engine.runner, "collect"),
-                      (engine, "_postprocess")):
-        del obj.__dict__[attr]  # back to the class's method
+    timer.restore()
     parts = {k: timer.totals[k] / steps for k in HOST_PARTS}
     # collect's time includes waiting for the device; the rest of collect (tolist) is negligible.
     parts["host_busy"] = parts["schedule"] + parts["launch"] + parts["postprocess"]
@@ -150,6 +164,9 @@ def profile_backend(model_dir: Path, backend: str, args) -> dict:
     llm = LLM(model=str(model_dir), attention_backend=backend, max_model_len=2048, max_num_batched_tokens=16384,
               max_num_seqs=args.num_requests, skip_tokenizer_init=True, enforce_eager=args.enforce_eager,
               device=args.device)
+    if args.device == "cpu":  # the GPU's decode path (graph buffers), without capture: same host work
+        runner = llm.engine.runner
+        runner.graphs = runner.make_decoder(args.num_requests, llm.engine.max_model_len, capture=False)
     start_decoding(llm, args.num_requests)
     timing = time_steps(llm.engine, args.steps)
     roof = roofline_ms(llm.engine, args.hbm_tb_s * 1e12)
@@ -171,6 +188,7 @@ def print_result(r: dict) -> None:
           f"{r['kv_gb']:.2f} GB KV) -> {r['roofline_ms'] / r['step_ms']:.0%} of roofline")
     print(f"host: schedule {r['schedule_ms']:.3f} + launch {r['launch_ms']:.3f} + postprocess "
           f"{r['postprocess_ms']:.3f} = {r['host_busy_ms']:.3f} ms busy; collect (wait) {r['collect_ms']:.3f} ms")
+    print(f"      launch includes: inputs {r['inputs_ms']:.3f}, metadata {r['metadata_ms']:.3f} ms")
     print(f"device: {k['device_us_per_step'] / 1e3:.3f} ms of kernels per step "
           f"({k['device_us_per_step'] / 1e3 / r['step_ms']:.0%} busy), {k['num_kernels_per_step']:.0f} kernels")
     print(f"{'us/step':>9} {'calls':>6} {'share':>6}  kernel")
