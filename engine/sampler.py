@@ -74,21 +74,21 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Random rows only. logits [m, vocab] -> tokens [m]."""
         params = [r.sampling_params for r in requests]
-        logits = truncate_logits(logits.float(), params)
-        probs = torch.softmax(logits, dim=-1)  # [m, vocab]
-        q = self._exponentials(probs, requests)  # [m, vocab]
+        logits = truncate_logits(logits, params)  # float32 [m, vocab], -inf where cut
+        q = self._exponentials(logits, requests)  # [m, vocab]
         # Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i. It lets each
-        # row draw from its own generator, so a seeded row never depends on its batch neighbours.
-        return probs.div_(q).argmax(dim=-1)
+        # row draw from its own generator, so a seeded row never depends on its batch neighbours. In logs,
+        # argmax(logits - log q) is the same token without a softmax pass over the vocabulary.
+        return logits.sub_(q.log_()).argmax(dim=-1)
 
-    def _exponentials(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        q = torch.empty_like(probs)
+    def _exponentials(self, like: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        q = torch.empty_like(like)
         seeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
         if len(seeded) < len(requests):
             q.exponential_()  # unseeded rows share one draw from the default generator
         for i in seeded:
-            q[i].exponential_(generator=self._generator(requests[i], probs.device))
-        # exponential_ may return exactly 0; a 0 / 0 would be NaN, which argmax would pick.
+            q[i].exponential_(generator=self._generator(requests[i], like.device))
+        # exponential_ may return exactly 0, whose log is -inf: that token would win whatever its logit.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
     def _generator(self, request: Request, device: torch.device) -> torch.Generator:
@@ -193,11 +193,12 @@ def token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> tor
 
 
 def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p, min-p: removed tokens get -inf. logits [m, vocab] -> [m, vocab]."""
+    """Temperature, then top-k, top-p, min-p: removed tokens get -inf. logits [m, vocab] in any float dtype
+    -> [m, vocab] float32 (the division reads the model dtype and writes float32: one pass, no cast)."""
     dev, vocab = logits.device, logits.shape[1]
     # A tiny temperature would overflow the division; below this it is greedy in all but name anyway.
     temps = [max(p.temperature, MIN_TEMPERATURE) for p in params]
-    temp = to_device(temps, dev, logits.dtype).unsqueeze(1)
+    temp = to_device(temps, dev, torch.float32).unsqueeze(1)
     logits = logits / temp
     use_k = any(0 < p.top_k < vocab for p in params)
     use_p = any(p.top_p < 1.0 for p in params)
@@ -207,7 +208,7 @@ def truncate_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         top_p = to_device([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dev)
         logits = top_k_top_p(logits, k if use_k else None, top_p if use_p else None)
     if any(p.min_p > 0.0 for p in params):
-        min_p = to_device([p.min_p for p in params], dev, logits.dtype)
+        min_p = to_device([p.min_p for p in params], dev, torch.float32)
         logits = apply_min_p(logits, min_p)
     return logits
 
