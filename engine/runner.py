@@ -171,22 +171,25 @@ class ModelRunner:
     def _run_decode_graph(self, inputs: StepInputs) -> torch.Tensor:
         # One token per sequence: flat token index == sequence index.
         prev_rows = [-1] * len(inputs.seqs)
-        if inputs.pending:
-            row_of = {rid: i for i, rid in enumerate(self._last.request_ids)}
-            for i, rid in inputs.pending:
-                prev_rows[i] = row_of[rid]
+        for (i, _), row in zip(inputs.pending, self._pending_rows(inputs.pending)):
+            prev_rows[i] = row
         logits = self.graphs.run(inputs.seqs, inputs.input_ids, inputs.positions, prev_rows,
                                  self._last.tokens if inputs.pending else None)  # [num_seqs, vocab]
         if len(inputs.sample_indices) < len(inputs.seqs):  # a 1-token prefill chunk that does not sample
             logits = logits[self._to_device(inputs.sample_indices)]
         return logits
 
+    def _pending_rows(self, pending: list[tuple[int, str]]) -> list[int]:
+        """For each pending input, its row in the previous step's sampled tokens (`self._last.tokens`)."""
+        if not pending:
+            return []
+        row_of = {rid: i for i, rid in enumerate(self._last.request_ids)}
+        return [row_of[rid] for _, rid in pending]
+
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:
-        last = self._last
-        row_of = {rid: i for i, rid in enumerate(last.request_ids)}
         dst = self._to_device([i for i, _ in pending])
-        src = self._to_device([row_of[rid] for _, rid in pending])
-        input_ids[dst] = last.tokens[src]
+        src = self._to_device(self._pending_rows(pending))
+        input_ids[dst] = self._last.tokens[src]
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and read its sampled tokens (and logprobs) on the host."""
