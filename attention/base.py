@@ -74,6 +74,9 @@ class AttentionBackend:
     supported_head_sizes: tuple[int, ...] = (32, 64, 96, 128, 160, 192, 224, 256)
     # Whether a step's metadata can be baked into a CUDA graph (no host-side reads of its tensors).
     supports_cuda_graphs: bool = False
+    # Whether steps with prefills can be captured too: the Impl must run the general layout of a mixed
+    # graph (attention.metadata: every sequence a prefill, empty padded sequences) with nothing read on the host.
+    supports_mixed_cuda_graphs: bool = False
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
     @classmethod

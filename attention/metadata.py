@@ -12,6 +12,13 @@ seq_len 1 (not 0) keeps every kernel safe without a special case: each query row
 (no empty softmax, so no 0/0), and it reads slot 0 of block 0, which always exists. The padding
 token's K/V are never written, so that key is whatever block 0 holds; its output row is garbage by
 design and the caller drops it.
+
+A mixed CUDA graph has a fixed token count AND a fixed sequence count, which a batch pads to unequally.
+Then the first padded sequence is one fresh prompt holding every padding token (block_tables row 0, so
+it reads block 0 only, never writes), the others are empty (query_len 0, seq_len 0: no query rows, no
+work), and the metadata declares every sequence a prefill (num_decode_tokens 0): kernels take their
+general path, which serves a decode (query_len 1) as a one-token chunk, so nothing in the graph depends
+on how many prefills and decodes the batch holds.
 """
 from __future__ import annotations
 
@@ -64,6 +71,22 @@ def _num_padding(num_real: int, pad_to: int | None, what: str) -> int | None:
     if pad_to < num_real:
         raise ValueError(f"cannot pad {num_real} {what} down to {pad_to}")
     return pad_to - num_real
+
+
+def _padding_query_lens(num_tokens: int, num_seqs: int, pad_to_num_tokens: int | None,
+                        pad_to_num_seqs: int | None) -> np.ndarray:
+    """query_len of each padded sequence: all 1 when the two paddings agree (or one is not given);
+    otherwise one prompt of every padding token, then empty sequences (see the module doc)."""
+    pad_tokens = _num_padding(num_tokens, pad_to_num_tokens, "tokens")
+    pad_seqs = _num_padding(num_seqs, pad_to_num_seqs, "sequences")
+    if pad_tokens is None or pad_seqs is None or pad_tokens == pad_seqs:
+        return np.ones(pad_tokens if pad_tokens is not None else (pad_seqs or 0), np.int64)
+    if pad_seqs == 0:
+        raise ValueError(f"padding {pad_tokens} tokens needs a padded sequence to hold them: "
+                         f"pad_to_num_seqs={pad_to_num_seqs} leaves none")
+    lens = np.zeros(pad_seqs, np.int64)
+    lens[0] = pad_tokens
+    return lens
 
 
 @dataclass
@@ -122,30 +145,29 @@ class AttentionMetadataBuilder:
             raise ValueError("cannot build attention metadata for an empty batch")
         context, query, num_prefills = _seq_arrays(seqs, self.block_size)
         num_real_tokens = int(query.sum())
-        pad_tokens = _num_padding(num_real_tokens, pad_to_num_tokens, "tokens")
-        pad_seqs = _num_padding(len(seqs), pad_to_num_seqs, "sequences")
-        if pad_tokens is not None and pad_seqs is not None and pad_tokens != pad_seqs:
-            raise ValueError(f"each padded sequence has one padding token: padding {pad_tokens} tokens "
-                             f"but {pad_seqs} sequences")
-        num_pad = pad_tokens if pad_tokens is not None else (pad_seqs or 0)
+        pad_query_lens = _padding_query_lens(num_real_tokens, len(seqs), pad_to_num_tokens, pad_to_num_seqs)
+        num_pad = len(pad_query_lens)
+        general = bool((pad_query_lens != 1).any())
 
         context_lens = np.concatenate((context, np.zeros(num_pad, np.int64)))
-        query_lens = np.concatenate((query, np.ones(num_pad, np.int64)))
+        query_lens = np.concatenate((query, pad_query_lens))
         seq_lens = context_lens + query_lens
         block_tables = self._block_tables(seqs, seq_lens, num_pad, pad_to_blocks_per_seq)
         query_start_loc = np.concatenate(([0], np.cumsum(query_lens)))
         seq_start_loc = np.concatenate(([0], np.cumsum(seq_lens)))
-        slot_mapping = self._slot_mapping(block_tables, context_lens, query_lens, query_start_loc)
-        slot_mapping[num_real_tokens:] = PAD_SLOT_ID
-
+        slot_mapping = np.full(int(query_start_loc[-1]), PAD_SLOT_ID, np.int64)
+        slot_mapping[:num_real_tokens] = self._slot_mapping(block_tables, context, query, query_start_loc)
+        if general:  # every sequence through the general path (see the module doc)
+            num_prefills = len(query_lens)
         return HostMetadata(num_prefills, int(query_lens[:num_prefills].sum()), slot_mapping, block_tables, seq_lens,
                             context_lens, query_start_loc, seq_start_loc)
 
     def _block_tables(self, seqs: Sequence[SeqSpec], seq_lens: np.ndarray, num_pad: int,
                       pad_to_blocks_per_seq: int | None) -> np.ndarray:
-        # [num_seqs, width] int32, rows zero-padded; only the blocks a sequence needs are listed.
+        # [num_seqs, width] int32, rows zero-padded; only the blocks a sequence needs are listed. A padded
+        # sequence's row is all block 0, but it must be as wide as its length needs (the kernels read it).
         needed = (-(-seq_lens[:len(seqs)] // self.block_size)).tolist()
-        width = max(needed)
+        width = max(needed + (-(-seq_lens[len(seqs):] // self.block_size)).tolist())
         if pad_to_blocks_per_seq is not None:
             if pad_to_blocks_per_seq < width:
                 raise ValueError(f"a sequence needs {width} blocks, more than pad_to_blocks_per_seq="
@@ -158,7 +180,7 @@ class AttentionMetadataBuilder:
 
     def _slot_mapping(self, block_tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
                       query_start_loc: np.ndarray) -> np.ndarray:
-        # Every token at once: its sequence, its absolute position, then block * block_size + offset.
+        # The real tokens at once: sequence, absolute position, then block * block_size + offset.
         seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)  # [num_tokens]
         positions = (np.arange(len(seq_of_token)) - query_start_loc[seq_of_token]
                      + context_lens[seq_of_token])

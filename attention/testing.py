@@ -41,8 +41,9 @@ def random_mixed_lens(rng: random.Random, num_prefills: int, num_decodes: int, m
 def make_random_batch(lens: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
                       block_size: int, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
                       pad_to_num_tokens: int | None = None, num_blocks: int | None = None,
-                      pad_to_blocks_per_seq: int | None = None) -> RandomBatch:
-    """num_blocks: the pool size (default: just enough, plus 3); fixed sizes let batches share a cache shape."""
+                      pad_to_blocks_per_seq: int | None = None, pad_to_num_seqs: int | None = None) -> RandomBatch:
+    """num_blocks: the pool size (default: just enough, plus 3); fixed sizes let batches share a cache shape.
+    Padding as AttentionMetadataBuilder.build's (unequal token and sequence padding: a mixed graph's layout)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-(c + q) // block_size) for c, q in lens]
@@ -69,6 +70,7 @@ def make_random_batch(lens: list[tuple[int, int]], num_heads: int, num_kv_heads:
         value_cache.view(-1, num_kv_heads, head_dim)[slots] = v[:spec.context_len]
 
     meta = AttentionMetadataBuilder(block_size, device).build(specs, pad_to_num_tokens=pad_to_num_tokens,
+                                                              pad_to_num_seqs=pad_to_num_seqs,
                                                               pad_to_blocks_per_seq=pad_to_blocks_per_seq)
     num_pad = meta.num_tokens - sum(q for _, q in lens)
     key = torch.cat([k[s.context_len:] for s, k in zip(specs, full_keys)] + [randn(num_pad, num_kv_heads, head_dim)])

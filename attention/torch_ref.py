@@ -57,6 +57,8 @@ class TorchAttentionImpl(AttentionImpl):
         context_lens = meta.context_lens[:n].tolist()
         for i, ctx in enumerate(context_lens):
             lo, hi = starts[i], starts[i + 1]
+            if lo == hi:  # an empty padded sequence (a mixed CUDA graph's batch)
+                continue
             if ctx == 0:  # fresh prompt: its K/V are the inputs themselves
                 k, v = key[lo:hi], value[lo:hi]
             else:  # a chunk over cached context: read everything back from the cache

@@ -12,7 +12,9 @@ a third grid axis splits each sequence's keys into NUM_SPLITS ranges; each write
 output and its log-sum-exp, and a second kernel merges them.
 
 Nothing is read on the host: grids depend only on tensor shapes and on meta.num_prefills (0 for the
-decode-only batches a CUDA graph replays), so the backend is CUDA-graph safe.
+decode-only batches a decode graph replays, the sequence count for a mixed graph's), so the backend is
+CUDA-graph safe for both kinds of step. A sequence with no query tokens (a mixed graph's padding) owns
+one program, which exits at once.
 """
 from __future__ import annotations
 
@@ -242,6 +244,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     impl_cls = TritonAttentionImpl
     supports_cuda_graphs = True
+    supports_mixed_cuda_graphs = True  # grids depend on shapes only; an empty sequence's programs exit at once
 
     @classmethod
     def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:

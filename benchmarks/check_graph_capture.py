@@ -1,5 +1,6 @@
 """Does an attention backend work under CUDA-graph capture? Runs greedy decoding on a small random model
-with the backend eager and with decode graphs forced on, and compares the tokens.
+with the backend eager and with CUDA graphs forced on (decode graphs, and mixed graphs for steps with
+prefills: a small token budget makes many of those), and compares the tokens.
 Usage (GPU host): python benchmarks/check_graph_capture.py flash-attn-4"""
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ def main(backend_name: str) -> int:
     results = {}
     backend = load_backend(backend_name)
     for graphs in (False, True):
-        backend.supports_cuda_graphs = graphs
+        backend.supports_cuda_graphs = backend.supports_mixed_cuda_graphs = graphs
         llm = LLM(model=model_dir, attention_backend=backend_name, skip_tokenizer_init=True, max_model_len=2048,
-                  max_num_seqs=32, enforce_eager=not graphs)
-        assert (llm.engine.runner.graphs is not None) == graphs
+                  max_num_seqs=32, max_num_batched_tokens=256, enforce_eager=not graphs)
+        runner = llm.engine.runner
+        assert (runner.decode_graphs is not None) == graphs and (runner.mixed_graphs is not None) == graphs
         results[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         del llm
     same = sum(a == b for a, b in zip(results[False], results[True]))

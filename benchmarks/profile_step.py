@@ -166,7 +166,7 @@ def profile_backend(model_dir: Path, backend: str, args) -> dict:
               device=args.device)
     if args.device == "cpu":  # the GPU's decode path (graph buffers), without capture: same host work
         runner = llm.engine.runner
-        runner.graphs = runner.make_decoder(args.num_requests, llm.engine.max_model_len, capture=False)
+        runner.decode_graphs = runner.make_graphs(args.num_requests, llm.engine.max_model_len, None, capture=False)
     start_decoding(llm, args.num_requests)
     timing = time_steps(llm.engine, args.steps)
     roof = roofline_ms(llm.engine, args.hbm_tb_s * 1e12)

@@ -1,14 +1,19 @@
-"""Decode steps replayed from CUDA graphs, one graph per padded batch size.
+"""Steps replayed from CUDA graphs, one graph per padded token count, of two kinds:
 
-A decode step of a small model is dominated by host work: 24 layers x ~10 kernels launched one by one,
-plus one small copy per input tensor. Here a step costs the host two copies and one replay:
+- decode graphs: T one-token sequences (a decode step, padded with one-token decodes);
+- mixed graphs: up to max_num_seqs sequences of any kind (prefill chunks and decodes) in T tokens, padded
+  to T tokens and max_num_seqs + 1 sequences: one padding prompt, then empty sequences (attention.metadata).
+  Every sequence takes the kernel's general path, so one graph serves any make-up of the batch. Only for
+  backends that declare `supports_mixed_cuda_graphs`.
+
+A step of a small model is dominated by host work: 24 layers x ~10 kernels launched one by one, plus
+one small copy per input tensor. Here a step costs the host two copies and one replay:
 - every per-step input (token ids, positions, attention metadata) is written on the host into one
   pinned int64 and one pinned int32 staging buffer, each copied to its device twin in one go; the
   graphs were captured reading views of those device buffers;
 - tokens sampled by the previous step, still on the device, are gathered inside the graph
   (`prev_rows`), so the host never waits for them;
-- the graph ends with the logits: the sampler reads them straight from the graph's output.
-The batch is padded up to the nearest captured size with PAD_SLOT_ID tokens (see attention.metadata).
+- the graph ends with the final hidden states; the caller computes the logits of the rows it samples.
 
 Without capture (`capture=False`, e.g. on a CPU) the same buffers feed an eager forward: tests use it
 to check everything here but the capture itself.
@@ -27,10 +32,17 @@ from attention.metadata import AttentionMetadataBuilder, SeqSpec
 
 logger = logging.getLogger(__name__)
 
+MAX_MIXED_GRAPH_TOKENS = 1024  # above this a step is long enough on the device that launches do not matter
 
-def graph_batch_sizes(max_batch_size: int) -> list[int]:
+
+def decode_graph_sizes(max_batch_size: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_batch_size + 1, 16))
     return sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
+
+
+def mixed_graph_sizes(max_tokens: int) -> list[int]:
+    sizes = [32, 64, 128, 256, 384, 512, 768, 1024]
+    return sorted({s for s in sizes if s <= max_tokens} | {max_tokens})
 
 
 class PackedBuffers:
@@ -69,81 +81,100 @@ class PackedBuffers:
             self.fences[self.turn].record()
 
 
-class CudaGraphDecoder:
-    def __init__(self, model, kv_caches, builder: AttentionMetadataBuilder, max_batch_size: int,
-                 max_blocks_per_seq: int, max_prev_rows: int, device: torch.device, capture: bool = True) -> None:
+class CudaGraphSteps:
+    def __init__(self, model, kv_caches, builder: AttentionMetadataBuilder, sizes: list[int], max_num_seqs: int,
+                 max_blocks_per_seq: int, max_prev_rows: int, device: torch.device, mixed: bool,
+                 capture: bool = True) -> None:
+        """sizes: the token counts captured. Decode graphs need max_num_seqs >= max(sizes)."""
         self.model = model
         self.kv_caches = kv_caches
         self.builder = builder
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.sizes = graph_batch_sizes(max_batch_size)
+        self.sizes = sorted(sizes)
+        self.mixed = mixed
+        self.max_num_seqs = max_num_seqs
         self.capture_graphs = capture
-        b = max_batch_size
-        self.i64 = PackedBuffers({"input_ids": b, "prev_rows": b, "positions": b, "slot_mapping": b},
+        t, s = self.sizes[-1], self._num_seqs(self.sizes[-1])
+        self.i64 = PackedBuffers({"input_ids": t, "prev_rows": t, "positions": t, "slot_mapping": t},
                                  torch.int64, device)
-        self.i32 = PackedBuffers({"seq_lens": b, "context_lens": b, "query_start_loc": b + 1,
-                                  "seq_start_loc": b + 1, "block_tables": b * max_blocks_per_seq},
+        self.i32 = PackedBuffers({"seq_lens": s, "context_lens": s, "query_start_loc": s + 1,
+                                  "seq_start_loc": s + 1, "block_tables": s * max_blocks_per_seq},
                                  torch.int32, device)
         self.prev_tokens = torch.zeros(max(max_prev_rows, 1), dtype=torch.int64, device=device)
         self._write_padding_batch()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
+    @property
+    def kind(self) -> str:
+        return "mixed" if self.mixed else "decode"
+
+    def _num_seqs(self, num_tokens: int) -> int:
+        """Sequences in the graph of num_tokens tokens: one per token (decode), or a fixed count (mixed)."""
+        return self.max_num_seqs + 1 if self.mixed else num_tokens
+
     def _write_padding_batch(self) -> None:
         """Fill the buffers with a valid all-padding batch: what warm-up and capture run on."""
         seqs = [SeqSpec(0, 1, [0])]
-        n = self.sizes[-1]
-        self._stage(seqs, [0], [0], [-1], n)
-        self._stage(seqs, [0], [0], [-1], n)  # both host twins
+        for _ in range(2):  # both host twins
+            self._stage(seqs, [0], [0], [-1], self.sizes[-1])
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        """Views of the device buffers for a padded batch of bs decodes: what a graph reads."""
+    def _meta(self, num_tokens: int) -> AttentionMetadata:
+        """Views of the device buffers for a padded batch of num_tokens tokens: what a graph reads."""
         d = self.i32.device
+        s = self._num_seqs(num_tokens)
+        prefill_tokens = num_tokens if self.mixed else 0  # mixed: every sequence on the general path
         tables = d("block_tables").view(-1, self.max_blocks_per_seq)
-        return AttentionMetadata(0, 0, bs, self.i64.device("slot_mapping")[:bs], tables[:bs], d("seq_lens")[:bs],
-                                 d("context_lens")[:bs], d("query_start_loc")[:bs + 1], d("seq_start_loc")[:bs + 1],
-                                 max_query_len=1, max_seq_len=self.max_blocks_per_seq * self.builder.block_size)
+        return AttentionMetadata(s if self.mixed else 0, prefill_tokens, num_tokens - prefill_tokens,
+                                 self.i64.device("slot_mapping")[:num_tokens], tables[:s], d("seq_lens")[:s],
+                                 d("context_lens")[:s], d("query_start_loc")[:s + 1], d("seq_start_loc")[:s + 1],
+                                 max_query_len=num_tokens if self.mixed else 1,
+                                 max_seq_len=self.max_blocks_per_seq * self.builder.block_size)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        """The captured body: gather inputs sampled by the previous step, run the model, [bs, vocab] logits."""
-        rows = self.i64.device("prev_rows")[:bs]  # [bs]: row of prev_tokens, or -1 for a known input
-        ids = torch.where(rows >= 0, self.prev_tokens[rows.clamp(min=0)], self.i64.device("input_ids")[:bs])
-        hidden = self.model(ids, self.i64.device("positions")[:bs], self.kv_caches, self._meta(bs))
-        return self.model.compute_logits(hidden)
+    def _forward(self, num_tokens: int) -> torch.Tensor:
+        """The captured body: gather inputs sampled by the previous step, run the model -> [T, hidden]."""
+        rows = self.i64.device("prev_rows")[:num_tokens]  # [T]: row of prev_tokens, or -1 for a known input
+        ids = torch.where(rows >= 0, self.prev_tokens[rows.clamp(min=0)], self.i64.device("input_ids")[:num_tokens])
+        return self.model(ids, self.i64.device("positions")[:num_tokens], self.kv_caches, self._meta(num_tokens))
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, pool=None):
+        """Capture every size (largest first, so the smaller ones fit in its memory); returns the pool."""
         if not self.capture_graphs:
-            return
-        pool = None
-        for bs in tqdm(sorted(self.sizes, reverse=True), desc="capturing CUDA graphs", leave=False):
-            self._forward(bs)  # warm-up (autotune, JIT)
+            return pool
+        for size in tqdm(sorted(self.sizes, reverse=True), desc=f"capturing {self.kind} CUDA graphs", leave=False):
+            self._forward(size)  # warm-up (autotune, JIT)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._forward(bs)
+                self.outputs[size] = self._forward(size)
             pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
+            self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for decode batch sizes %s", len(self.graphs), self.sizes)
+        logger.info("captured %d %s CUDA graphs for token counts %s", len(self.graphs), self.kind, self.sizes)
+        return pool
 
-    def padded_size(self, num_seqs: int) -> int | None:
-        return next((s for s in self.sizes if s >= num_seqs), None)
+    def padded_size(self, num_tokens: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_tokens), None)
 
-    def can_run(self, seqs: list[SeqSpec], num_prev_rows: int) -> bool:
-        return (self.padded_size(len(seqs)) is not None and num_prev_rows <= self.prev_tokens.shape[0]
-                and all(s.query_len == 1 and len(s.block_ids) <= self.max_blocks_per_seq for s in seqs))
+    def can_run(self, seqs: list[SeqSpec], num_tokens: int, num_prev_rows: int) -> bool:
+        if self.padded_size(num_tokens) is None or num_prev_rows > self.prev_tokens.shape[0]:
+            return False
+        if self.mixed and len(seqs) > self.max_num_seqs:  # one sequence slot is kept for the padding prompt
+            return False
+        return all((self.mixed or s.query_len == 1) and len(s.block_ids) <= self.max_blocks_per_seq for s in seqs)
 
     def _stage(self, seqs: list[SeqSpec], input_ids: list[int], positions: list[int], prev_rows: list[int],
-               bs: int) -> None:
+               size: int) -> None:
         """Write a step's inputs into the next host twins and queue their copies."""
-        n = len(seqs)
-        meta = self.builder.build_host(seqs, pad_to_num_seqs=bs, pad_to_blocks_per_seq=self.max_blocks_per_seq)
+        n = len(input_ids)
+        meta = self.builder.build_host(seqs, pad_to_num_tokens=size, pad_to_num_seqs=self._num_seqs(size),
+                                       pad_to_blocks_per_seq=self.max_blocks_per_seq)
         h64, h32 = self.i64.host(), self.i32.host()
         for name, values in (("input_ids", input_ids), ("positions", positions), ("prev_rows", prev_rows)):
             h64[name][:n] = values
-            h64[name][n:bs] = -1 if name == "prev_rows" else 0
-        h64["slot_mapping"][:bs] = meta.slot_mapping
+            h64[name][n:size] = -1 if name == "prev_rows" else 0
+        h64["slot_mapping"][:size] = meta.slot_mapping
         for name in ("seq_lens", "context_lens", "query_start_loc", "seq_start_loc"):
             h32[name][:len(getattr(meta, name))] = getattr(meta, name)
         h32["block_tables"][:meta.block_tables.size] = meta.block_tables.ravel()
@@ -152,15 +183,15 @@ class CudaGraphDecoder:
 
     def run(self, seqs: list[SeqSpec], input_ids: list[int], positions: list[int], prev_rows: list[int],
             prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        """One decode step -> logits [len(seqs), vocab]. prev_rows[i] >= 0: sequence i's input is row
+        """One step -> hidden states [len(input_ids), hidden]. prev_rows[i] >= 0: token i's input is row
         prev_rows[i] of prev_tokens (the previous step's sampled tokens, on the device); input_ids[i] is
         ignored then."""
-        n = len(seqs)
-        bs = self.padded_size(n)
-        self._stage(seqs, input_ids, positions, prev_rows, bs)
+        n = len(input_ids)
+        size = self.padded_size(n)
+        self._stage(seqs, input_ids, positions, prev_rows, size)
         if prev_tokens is not None:
             self.prev_tokens[:prev_tokens.shape[0]].copy_(prev_tokens)
         if not self.capture_graphs:
-            return self._forward(bs)[:n]
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+            return self._forward(size)[:n]
+        self.graphs[size].replay()
+        return self.outputs[size][:n]

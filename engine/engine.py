@@ -96,7 +96,7 @@ class LLMEngine:
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_from_memory(model)
         self.runner = ModelRunner(model, self.hf_config, self.backend, self.device, self.dtype,
                                   self.num_kv_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
-                                  use_cuda_graphs=not config.enforce_eager)
+                                  config.max_num_batched_tokens, use_cuda_graphs=not config.enforce_eager)
         self.scheduler = Scheduler(self.num_kv_blocks, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len, config.enable_prefix_caching)
         self._completions: dict[str, _Completion] = {}  # child request id -> its state

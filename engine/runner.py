@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
-from engine.cuda_graphs import CudaGraphDecoder
+from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
@@ -109,7 +109,7 @@ def _allocate_kv(backend, hf_config, dtype: torch.dtype, device: torch.device, n
 class ModelRunner:
     def __init__(self, model, hf_config, backend, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
-                 use_cuda_graphs: bool) -> None:
+                 max_num_batched_tokens: int, use_cuda_graphs: bool) -> None:
         self.model = model
         self.backend = backend
         self.device = device
@@ -118,17 +118,28 @@ class ModelRunner:
         self.kv_caches = _allocate_kv(backend, hf_config, dtype, device, num_blocks, block_size)
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
-        self.graphs = None
+        self.decode_graphs: CudaGraphSteps | None = None
+        self.mixed_graphs: CudaGraphSteps | None = None
         self._last = StepHandle([], [], None, None, None, None)  # the step launched most recently
         if use_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
-            self.graphs = self.make_decoder(max_num_seqs, max_model_len, capture=True)
-            self.graphs.capture()
+            self.decode_graphs = self.make_graphs(max_num_seqs, max_model_len, None, capture=True)
+            pool = self.decode_graphs.capture()
+            if backend.supports_mixed_cuda_graphs:
+                self.mixed_graphs = self.make_graphs(max_num_seqs, max_model_len, max_num_batched_tokens,
+                                                     capture=True)
+                self.mixed_graphs.capture(pool)
 
-    def make_decoder(self, max_num_seqs: int, max_model_len: int, capture: bool) -> CudaGraphDecoder:
-        """The decode-step path through static buffers (captured as CUDA graphs when `capture`)."""
+    def make_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None,
+                    capture: bool) -> CudaGraphSteps:
+        """Decode graphs (max_num_batched_tokens None) or mixed ones, captured when `capture`."""
         max_blocks = -(-max_model_len // self.block_size)
-        return CudaGraphDecoder(self.model, self.kv_caches, self.builder, min(max_num_seqs, 512), max_blocks,
-                                max_num_seqs, self.device, capture=capture)
+        if max_num_batched_tokens is None:
+            sizes, num_seqs = decode_graph_sizes(min(max_num_seqs, 512)), min(max_num_seqs, 512)
+        else:  # the padding prompt must fit a block-table row: at most max_blocks * block_size tokens
+            sizes = mixed_graph_sizes(min(max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS, max_blocks * self.block_size))
+            num_seqs = max_num_seqs
+        return CudaGraphSteps(self.model, self.kv_caches, self.builder, sizes, num_seqs, max_blocks, max_num_seqs,
+                              self.device, mixed=max_num_batched_tokens is not None, capture=capture)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)
@@ -144,12 +155,13 @@ class ModelRunner:
             self.sampler.free(rid)
         inputs = prepare_inputs(out)
         ids = [r.request_id for r in inputs.sample_requests]
-        if self.graphs is not None and self.graphs.can_run(inputs.seqs, len(self._last.request_ids)):
-            logits = self._run_decode_graph(inputs)  # [n, vocab]
-        else:
-            logits = self._run_eager(inputs)  # [n, vocab]
+        graphs = self._graphs_for(inputs)
+        hidden = self._run_graph(graphs, inputs) if graphs else self._run_eager(inputs)  # [num_tokens, hidden]
         handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
         if ids:
+            if len(ids) < hidden.shape[0]:  # rows that do not sample: prefill tokens, chunks that end no prompt
+                hidden = hidden[self._to_device(inputs.sample_indices)]
+            logits = self.model.compute_logits(hidden)  # [n, vocab]
             handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, inputs.sample_requests)
             if self.device.type == "cuda":
                 handle.host_tokens = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
@@ -159,25 +171,27 @@ class ModelRunner:
         self._last = handle
         return handle
 
+    def _graphs_for(self, inputs: StepInputs) -> CudaGraphSteps | None:
+        num_tokens, num_prev = len(inputs.input_ids), len(self._last.request_ids)
+        for graphs in (self.decode_graphs, self.mixed_graphs):
+            if graphs is not None and graphs.can_run(inputs.seqs, num_tokens, num_prev):
+                return graphs
+        return None
+
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         input_ids = self._to_device(inputs.input_ids)  # [num_tokens]
         positions = self._to_device(inputs.positions)  # [num_tokens]
         if inputs.pending:
             self._fill_pending(input_ids, inputs.pending)
         meta = self.builder.build(inputs.seqs)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[self._to_device(inputs.sample_indices)])  # [n, vocab]
+        return self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
 
-    def _run_decode_graph(self, inputs: StepInputs) -> torch.Tensor:
-        # One token per sequence: flat token index == sequence index.
-        prev_rows = [-1] * len(inputs.seqs)
+    def _run_graph(self, graphs: CudaGraphSteps, inputs: StepInputs) -> torch.Tensor:
+        prev_rows = [-1] * len(inputs.input_ids)  # per token: its row in the previous step's sampled tokens
         for (i, _), row in zip(inputs.pending, self._pending_rows(inputs.pending)):
             prev_rows[i] = row
-        logits = self.graphs.run(inputs.seqs, inputs.input_ids, inputs.positions, prev_rows,
-                                 self._last.tokens if inputs.pending else None)  # [num_seqs, vocab]
-        if len(inputs.sample_indices) < len(inputs.seqs):  # a 1-token prefill chunk that does not sample
-            logits = logits[self._to_device(inputs.sample_indices)]
-        return logits
+        return graphs.run(inputs.seqs, inputs.input_ids, inputs.positions, prev_rows,
+                          self._last.tokens if inputs.pending else None)  # [num_tokens, hidden]
 
     def _pending_rows(self, pending: list[tuple[int, str]]) -> list[int]:
         """For each pending input, its row in the previous step's sampled tokens (`self._last.tokens`)."""

@@ -151,3 +151,43 @@ def test_cuda_graph_replay_with_new_metadata(name):
     n = _num_real(fresh)
     assert _rel_err(out[:n], ref[:n]) < 1e-2
     assert torch.equal(static.key_cache, fresh.key_cache) and torch.equal(static.value_cache, fresh.value_cache)
+
+
+def _mixed_graph_batch(seed: int, lens, group: int, head_dim: int):
+    """A mixed graph's layout: 96 tokens in 12 sequences (a padding prompt, then empty sequences)."""
+    return make_random_batch(lens, group * NUM_KV_HEADS, NUM_KV_HEADS, head_dim, 16, torch.bfloat16, "cuda",
+                             seed=seed, pad_to_num_tokens=96, pad_to_num_seqs=12, num_blocks=600,
+                             pad_to_blocks_per_seq=160)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_mixed_cuda_graph_replay_with_another_batch_make_up(name):
+    """Backends that claim mixed-graph support: capture one batch of prefills and decodes in the general
+    layout, replay it with metadata of another batch (other prefill/decode counts, lengths, padding)."""
+    group, head_dim = 7, 64
+    backend = _backend_or_skip(name, head_dim, 16)
+    if not backend.supports_mixed_cuda_graphs:
+        pytest.skip(f"{name} does not claim mixed CUDA-graph support")
+    static = _mixed_graph_batch(1, [(0, 30), (100, 20), (5, 1), (900, 1), (17, 1)], group, head_dim)
+    fresh = _mixed_graph_batch(2, [(2000, 40), (0, 7), (300, 12), (0, 2), (64, 1), (1500, 1), (1, 1), (31, 1),
+                                   (0, 1), (2400, 1), (7, 1)], group, head_dim)
+    impl, ref_impl = _impls(backend, group, head_dim)
+    args = (static.query, static.key, static.value, static.key_cache, static.value_cache, static.meta)
+    eager = impl.forward(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    ref = ref_impl.forward(static.query, static.key, static.value, static.key_cache.clone(),
+                           static.value_cache.clone(), static.meta)
+    n = _num_real(static)
+    assert _rel_err(eager[:n], ref[:n]) < 1e-2  # the general layout, eagerly
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = impl.forward(*args)
+    for field in ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc", "seq_start_loc"):
+        getattr(static.meta, field).copy_(getattr(fresh.meta, field))
+    for attr in ("query", "key", "value", "key_cache", "value_cache"):
+        getattr(static, attr).copy_(getattr(fresh, attr))
+    graph.replay()
+    ref = ref_impl.forward(fresh.query, fresh.key, fresh.value, fresh.key_cache, fresh.value_cache, fresh.meta)
+    n = _num_real(fresh)
+    assert _rel_err(out[:n], ref[:n]) < 1e-2
+    assert torch.isfinite(out).all()
+    assert torch.equal(static.key_cache, fresh.key_cache) and torch.equal(static.value_cache, fresh.value_cache)

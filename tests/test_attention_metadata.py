@@ -62,6 +62,24 @@ def test_padding_one_side_implies_the_other():
         _eq(m.seq_lens, [4, 9, 5, 1], torch.int32)
 
 
+def test_unequal_padding_makes_one_padding_prompt_then_empty_sequences():
+    """A mixed CUDA graph's layout: 11 real tokens in 5 sequences padded to 15 tokens in 8 sequences."""
+    m = AttentionMetadataBuilder(BS, "cpu").build(MIXED, pad_to_num_tokens=15, pad_to_num_seqs=8,
+                                                  pad_to_blocks_per_seq=4)
+    # Every sequence declared a prefill: kernels take their general path for the whole batch.
+    assert (m.num_prefills, m.num_prefill_tokens, m.num_decode_tokens) == (8, 15, 0)
+    assert (m.num_seqs, m.max_query_len, m.max_seq_len) == (8, 5, 9)
+    _eq(m.slot_mapping, SLOTS + [PAD_SLOT_ID] * 4, torch.int64)
+    _eq(m.block_tables, [row + [0] for row in TABLES] + [[0] * 4] * 3, torch.int32)
+    _eq(m.seq_lens, [5, 9, 4, 9, 5, 4, 0, 0], torch.int32)
+    _eq(m.context_lens, [0, 6, 3, 8, 4, 0, 0, 0], torch.int32)
+    _eq(m.query_start_loc, [0, 5, 8, 9, 10, 11, 15, 15, 15], torch.int32)
+    _eq(m.seq_start_loc, [0, 5, 14, 18, 27, 32, 36, 36, 36], torch.int32)
+    exact = AttentionMetadataBuilder(BS, "cpu").build(MIXED, pad_to_num_tokens=11, pad_to_num_seqs=7)
+    _eq(exact.query_start_loc, [0, 5, 8, 9, 10, 11, 11, 11], torch.int32)  # no padding tokens: all empty
+    assert (exact.num_prefills, exact.num_decode_tokens) == (7, 0)
+
+
 def test_builder_is_a_pure_function():
     b = AttentionMetadataBuilder(BS, "cpu")
     first = b.build(MIXED, pad_to_num_tokens=12)
@@ -76,7 +94,8 @@ def test_builder_is_a_pure_function():
     ([SeqSpec(0, 0, [1])], {}, "query_len"),
     ([SeqSpec(4, 2, [1])], {}, "cannot hold"),
     (MIXED, {"pad_to_num_tokens": 10}, "cannot pad"),
-    (MIXED, {"pad_to_num_tokens": 13, "pad_to_num_seqs": 6}, "one padding token"),
+    (MIXED, {"pad_to_num_tokens": 13, "pad_to_num_seqs": 5}, "needs a padded sequence"),
+    (MIXED, {"pad_to_num_tokens": 24, "pad_to_num_seqs": 6, "pad_to_blocks_per_seq": 3}, "pad_to_blocks_per_seq"),
     (MIXED, {"pad_to_blocks_per_seq": 2}, "pad_to_blocks_per_seq"),
     ([], {}, "empty"),
 ])

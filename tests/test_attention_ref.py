@@ -99,3 +99,21 @@ def test_registry_on_cpu():
 def test_gpu_backends_refuse_cpu_with_a_reason(name):
     with pytest.raises(ValueError, match=name):
         get_backend(name, torch.device("cpu"), 64, 16)
+
+
+def test_reference_runs_a_mixed_graph_layout():
+    """Unequal padding (a mixed CUDA graph's batch): a padding prompt and empty sequences after the real
+    ones, every sequence on the general path. Real rows match the naive attention; padding writes nothing."""
+    lens = [(0, 9), (40, 6), (33, 1), (2, 1), (0, 1)]
+    batch = make_random_batch(lens, 4, 2, 64, 16, torch.float32, "cpu", seed=5, pad_to_num_tokens=24,
+                              pad_to_num_seqs=9)
+    assert (batch.meta.num_prefills, batch.meta.num_decode_tokens, batch.meta.num_seqs) == (9, 0, 9)
+    before_k = batch.key_cache.clone()
+    out = run_torch_backend(batch, 4, 2, 64)
+    n_real = sum(q for _, q in lens)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:n_real].double(), naive_attention(batch, 4, 0.125)[:n_real], rtol=1e-4,
+                               atol=1e-4)
+    slots = batch.meta.slot_mapping[:n_real]
+    changed = (batch.key_cache != before_k).flatten(2).any(-1).flatten()  # [num_slots]
+    assert set(changed.nonzero().flatten().tolist()) <= set(slots.tolist())

@@ -98,10 +98,20 @@ def test_async_pipeline_equals_synchronous_steps(tiny_model_dir):
     assert results[True] == results[False]
 
 
-def test_static_decode_path_equals_eager_steps(tiny_model_dir):
-    """The CUDA-graph decode path without the capture (its packed staging buffers, padding to graph sizes,
-    previous-step tokens gathered on the device, logits from the graph's output), run on the CPU under the
-    async pipeline, gives the tokens and logprobs of plain eager steps, across preemption, chunking and n > 1."""
+def _recording(run, calls: list):
+    """Wrap CudaGraphSteps.run to record (tokens, longest query) of each step it serves."""
+    def recorded(seqs, input_ids, *args):
+        calls.append((len(input_ids), max(s.query_len for s in seqs)))
+        return run(seqs, input_ids, *args)
+    return recorded
+
+
+@pytest.mark.parametrize("kinds", [("decode",), ("mixed",), ("decode", "mixed")])
+def test_graph_paths_equal_eager_steps(tiny_model_dir, kinds):
+    """The CUDA-graph step paths without the capture (packed staging buffers, padding to graph sizes,
+    previous-step tokens gathered on the device, mixed graphs' general layout with a padding prompt and
+    empty sequences), run on the CPU under the async pipeline, give the tokens and logprobs of plain eager
+    steps, across preemption, chunking and n > 1."""
     import random
 
     rng = random.Random(9)
@@ -109,25 +119,30 @@ def test_static_decode_path_equals_eager_steps(tiny_model_dir):
     params = [SamplingParams(temperature=0, max_tokens=14, logprobs=2),
               SamplingParams(temperature=0.8, seed=11, max_tokens=17, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=12, n=2)] * 3
-    results, decoded_steps = {}, 0
+    results, calls = {}, {kind: [] for kind in kinds}
     for static in (False, True):
         llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=16, block_size=8, max_num_batched_tokens=20,
-                  max_num_seqs=7, async_scheduling=static)  # 7: batches padded up to graph sizes 1, 2, 4, 7
+                  max_num_seqs=7, async_scheduling=static)  # 7: decode batches padded up to sizes 1, 2, 4, 7
         if static:
             runner = llm.engine.runner
-            runner.graphs = runner.make_decoder(7, llm.engine.max_model_len, capture=False)
-            calls = []
-            run = runner.graphs.run
-            runner.graphs.run = lambda *a, **k: calls.append(len(a[0])) or run(*a, **k)
+            for kind in kinds:  # mixed graphs: every step of <= 20 tokens, padded to 20 tokens in 8 sequences
+                graphs = runner.make_graphs(7, llm.engine.max_model_len, 20 if kind == "mixed" else None,
+                                            capture=False)
+                setattr(runner, f"{kind}_graphs", graphs)
+                graphs.run = _recording(graphs.run, calls[kind])
         out = llm.generate(prompts, params)
         results[static] = [[(c.token_ids, [lp.logprob for lp in c.logprobs or []], c.finish_reason)
                             for c in r.outputs] for r in out]
         assert llm.engine.stats().scheduler.num_preemptions > 0
         assert llm.engine.stats().scheduler.num_blocks_used == 0
-        if static:
-            decoded_steps = len(calls)
-            assert {3, 5, 6} & set(calls), f"no batch needed padding: {sorted(set(calls))}"
-    assert decoded_steps > 10
+    if "decode" in kinds:
+        assert len(calls["decode"]) > 10
+        assert {3, 5, 6} & {n for n, _ in calls["decode"]}, "no decode batch needed padding"
+    if "mixed" in kinds:
+        with_prefills = [(n, q) for n, q in calls["mixed"] if q > 1]
+        assert len(with_prefills) > 5 and {n for n, _ in with_prefills} - {20}, "no mixed batch needed padding"
+        if "decode" in kinds:  # decode-only steps go to the decode graphs first
+            assert all(q > 1 for _, q in calls["mixed"])
     for got, want in zip(results[True], results[False]):
         for (tokens, lps, reason), (want_tokens, want_lps, want_reason) in zip(got, want):
             assert tokens == want_tokens and reason == want_reason
