@@ -31,7 +31,8 @@ case "$what" in
     show "$out/kvserve-$what.log" 30 ;;
   hf)
     preset="${1:-wb}"; methods="${2:-generate,generate_batch}"; tag="hf-$preset-${methods//,/-}"
-    timeout 580 python3 -m server.bench_throughput --preset "$preset" --attention-backend "${backends%%,*}" \
+    # HF_WITH_KVSERVE="" skips the kvserve rerun beside it (transformers alone, when the device budget is short).
+    timeout 580 python3 -m server.bench_throughput --preset "$preset" --attention-backend "${HF_WITH_KVSERVE-${backends%%,*}}" \
       --compare-hf "$methods" "${common[@]}" --out "$out/$tag.json" > "$out/$tag.log" 2>&1
     show "$out/$tag.log" 20 ;;
   *) echo "unknown part $what: tests|profile|wb|wa|hf" >&2; exit 2 ;;
