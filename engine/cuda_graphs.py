@@ -113,11 +113,13 @@ class CudaGraphSteps:
         """Sequences in the graph of num_tokens tokens: one per token (decode), or a fixed count (mixed)."""
         return self.max_num_seqs + 1 if self.mixed else num_tokens
 
-    def _write_padding_batch(self) -> None:
-        """Fill the buffers with a valid all-padding batch: what warm-up and capture run on."""
+    def _write_padding_batch(self, size: int | None = None) -> None:
+        """Fill the buffers with a valid all-padding batch of `size` tokens (default: the largest): what
+        warm-up and capture of that size run on. Per size: a mixed graph's sequence count is fixed, so a
+        batch staged for a larger size would run its padding prompt past the smaller graph's tokens."""
         seqs = [SeqSpec(0, 1, [0])]
         for _ in range(2):  # both host twins
-            self._stage(seqs, [0], [0], [-1], self.sizes[-1])
+            self._stage(seqs, [0], [0], [-1], size or self.sizes[-1])
 
     def _meta(self, num_tokens: int) -> AttentionMetadata:
         """Views of the device buffers for a padded batch of num_tokens tokens: what a graph reads."""
@@ -137,13 +139,18 @@ class CudaGraphSteps:
         ids = torch.where(rows >= 0, self.prev_tokens[rows.clamp(min=0)], self.i64.device("input_ids")[:num_tokens])
         return self.model(ids, self.i64.device("positions")[:num_tokens], self.kv_caches, self._meta(num_tokens))
 
+    def warm_up(self, size: int) -> torch.Tensor:
+        """Stage a padding batch of `size` tokens and run it once (autotune, JIT): what capture records."""
+        self._write_padding_batch(size)
+        return self._forward(size)
+
     @torch.inference_mode()
     def capture(self, pool=None):
         """Capture every size (largest first, so the smaller ones fit in its memory); returns the pool."""
         if not self.capture_graphs:
             return pool
         for size in tqdm(sorted(self.sizes, reverse=True), desc=f"capturing {self.kind} CUDA graphs", leave=False):
-            self._forward(size)  # warm-up (autotune, JIT)
+            self.warm_up(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

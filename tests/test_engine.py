@@ -98,6 +98,23 @@ def test_async_pipeline_equals_synchronous_steps(tiny_model_dir):
     assert results[True] == results[False]
 
 
+def test_graph_buffers_hold_a_consistent_batch_for_every_size(tiny_model_dir):
+    """What each graph's warm-up and capture run on: for every size, the staged padding batch has exactly
+    that many tokens (a mixed graph's batch staged for a larger size would run past a smaller graph's
+    tensors: an illegal memory access on the GPU)."""
+    llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=8, max_num_batched_tokens=300,
+              max_num_seqs=7)
+    runner = llm.engine.runner
+    for max_tokens in (None, 300):
+        graphs = runner.make_graphs(7, llm.engine.max_model_len, max_tokens, capture=False)
+        assert len(graphs.sizes) > 2
+        for size in sorted(graphs.sizes, reverse=True):  # capture's order
+            assert graphs.warm_up(size).shape[0] == size
+            meta = graphs._meta(size)  # what the capture that follows reads
+            assert int(meta.query_start_loc[-1]) == meta.slot_mapping.shape[0] == size
+            assert int((meta.seq_lens - (meta.query_start_loc[1:] - meta.query_start_loc[:-1])).min()) >= 0
+
+
 def _recording(run, calls: list):
     """Wrap CudaGraphSteps.run to record (tokens, longest query) of each step it serves."""
     def recorded(seqs, input_ids, *args):
