@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 
-def main(backend_name: str) -> int:
+def main(backend_name: str, dtype: str = "auto") -> int:
     from attention import load_backend
     from engine import LLM, SamplingParams
 
@@ -27,7 +27,7 @@ def main(backend_name: str) -> int:
     backend = load_backend(backend_name)
     for graphs in (False, True):
         backend.supports_cuda_graphs = backend.supports_mixed_cuda_graphs = graphs
-        llm = LLM(model=model_dir, attention_backend=backend_name, skip_tokenizer_init=True, max_model_len=2048,
+        llm = LLM(model=model_dir, attention_backend=backend_name, skip_tokenizer_init=True, max_model_len=2048, dtype=dtype,
                   max_num_seqs=32, max_num_batched_tokens=256, enforce_eager=not graphs)
         for kind in ("decode_graphs", "mixed_graphs"):  # no local reference: the next engine needs the memory
             assert (getattr(llm.engine.runner, kind) is not None) == graphs
@@ -41,4 +41,4 @@ def main(backend_name: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))
