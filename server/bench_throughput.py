@@ -20,6 +20,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -197,16 +198,41 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _timed(fn, repeat: int) -> list[float]:
-    runs = []
+@dataclass
+class Contender:
+    """A system loaded and warmed up: run_once() runs the whole workload and returns the output tokens it
+    produced (transformers `generate`: the tokens asked for, see hf_generate)."""
+    name: str
+    run_once: Callable[[], int]
+    close: Callable[[], None] = lambda: None
+
+
+def time_contenders(contenders: list[Contender], w: Workload, repeat: int) -> list[Measurement]:
+    """`repeat` rounds, each running every contender once in turn: with several contenders the runs are
+    interleaved, so a slow spell of a noisy host hits each of them instead of one. A contender that fails
+    is reported and left out of the rest."""
+    runs: dict[str, list[float]] = {c.name: [] for c in contenders}
+    produced: dict[str, int] = {}
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return runs
+        for c in list(contenders):
+            start = time.perf_counter()
+            try:
+                produced[c.name] = c.run_once()
+            except Exception as e:  # noqa: BLE001 - one failing comparison must not lose the others' figures
+                print(f"bench throughput: {c.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                contenders = [x for x in contenders if x is not c]
+                continue
+            runs[c.name].append(time.perf_counter() - start)
+    measurements = []
+    for c in contenders:
+        m = Measurement(c.name, runs[c.name], len(w.prompts), w.input_tokens, produced[c.name])
+        if produced[c.name] != w.output_tokens:
+            m.notes.append(f"produced {produced[c.name]} output tokens, {w.output_tokens} asked for")
+        measurements.append(m)
+    return measurements
 
 
-def run_kvserve(model_path: Path, opts: dict, w: Workload, repeat: int, warmup: bool) -> Measurement:
+def kvserve_contender(model_path: Path, opts: dict, w: Workload, warmup: bool) -> Contender:
     from engine.llm import LLM
     from engine.request import SamplingParams
 
@@ -215,16 +241,14 @@ def run_kvserve(model_path: Path, opts: dict, w: Workload, repeat: int, warmup: 
     if warmup:  # compiles, CUDA graph captures and allocator growth happen here, not in the measurement
         llm.generate(w.prompts[:16], [SamplingParams(temperature=w.temperature, max_tokens=8, ignore_eos=True)] *
                      min(16, len(w.prompts)))
-    produced: list[int] = []
-    runs = _timed(lambda: produced.append(sum(len(o.outputs[0].token_ids) for o in llm.generate(w.prompts, params))),
-                  repeat)
     name = f"kvserve ({llm.engine.backend_name}, {str(llm.engine.dtype).removeprefix('torch.')}, {llm.engine.device})"
-    m = Measurement(name, runs, len(w.prompts), w.input_tokens, produced[-1])
-    if produced[-1] != w.output_tokens:
-        m.notes.append(f"produced {produced[-1]} output tokens, {w.output_tokens} asked for")
-    del llm
-    _free_device_memory()
-    return m
+
+    def close() -> None:
+        nonlocal llm
+        llm = None
+        _free_device_memory()
+
+    return Contender(name, lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(w.prompts, params)), close)
 
 
 # ------------------------------------------------------------------------------------------- transformers
@@ -264,40 +288,33 @@ def _static_batches(model, w: Workload, batch_size: int, device) -> int:
     return w.output_tokens
 
 
-def hf_generate(model, w: Workload, batch_size: int, repeat: int, warmup: bool, device) -> Measurement:
+def hf_generate(model, w: Workload, batch_size: int, warmup: bool, device) -> Contender:
     """transformers `generate` in static batches. Counted: the tokens asked for; a batch runs to its longest
     output, and the extra tokens of its shorter requests are the static-batching waste we measure against."""
     if warmup:
         short = Workload("warmup", w.prompts[:batch_size], [8] * min(batch_size, len(w.prompts)), w.temperature)
         _static_batches(model, short, batch_size, device)
-    runs = _timed(lambda: _static_batches(model, w, batch_size, device), repeat)
-    return Measurement(f"transformers generate (static batches of {batch_size})", runs, len(w.prompts),
-                       w.input_tokens, w.output_tokens)
+    return Contender(f"transformers generate (static batches of {batch_size})",
+                     lambda: _static_batches(model, w, batch_size, device))
 
 
-def hf_generate_batch(model, w: Workload, repeat: int, warmup: bool) -> Measurement:
+def hf_generate_batch(model, w: Workload, warmup: bool) -> Contender:
     """transformers continuous batching (paged attention). `generate_batch` takes one max_new_tokens, so a
     workload with per-request output lengths (W-A) drives the ContinuousBatchingManager that generate_batch
     wraps, whose add_request takes max_new_tokens per request."""
     same_length = len(set(w.output_lens)) == 1
     config = _hf_generation_config(model, max(w.output_lens), w.temperature, "eos_token_id")
-    produced: list[int] = []
 
-    def run(prompts, lens):
-        if same_length:
-            out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-            produced.append(sum(len(o.generated_tokens) for o in out.values()))
-        else:
-            produced.append(_hf_manager_run(model, prompts, lens, config))
+    def run(prompts, lens) -> int:
+        if not same_length:
+            return _hf_manager_run(model, prompts, lens, config)
+        out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        return sum(len(o.generated_tokens) for o in out.values())
 
     if warmup:
         run(w.prompts[:16], [8] * min(16, len(w.prompts)))
-    runs = _timed(lambda: run(w.prompts, w.output_lens), repeat)
     how = "continuous batching" if same_length else "its manager, per-request lengths"
-    m = Measurement(f"transformers generate_batch ({how})", runs, len(w.prompts), w.input_tokens, produced[-1])
-    if produced[-1] != w.output_tokens:
-        m.notes.append(f"produced {produced[-1]} output tokens, {w.output_tokens} asked for")
-    return m
+    return Contender(f"transformers generate_batch ({how})", lambda: run(w.prompts, w.output_lens))
 
 
 def _hf_manager_run(model, prompts: list[list[int]], lens: list[int], config) -> int:
@@ -319,20 +336,21 @@ def _hf_manager_run(model, prompts: list[list[int]], lens: list[int], config) ->
     return sum(done.values())
 
 
-def run_hf(model_path: Path, w: Workload, methods: list[str], args, dtype, device) -> list[Measurement]:
+def hf_contenders(model_path: Path, w: Workload, methods: list[str], args, dtype, device) -> list[Contender]:
+    """One contender per transformers method, sharing one loaded model (freed by the last one's close)."""
     model = load_hf_model(model_path, dtype, device)
-    results = []
+    contenders = []
     for method in methods:
         try:
             if method == "generate":
-                results.append(hf_generate(model, w, args.hf_batch_size, args.repeat, args.warmup, device))
+                contenders.append(hf_generate(model, w, args.hf_batch_size, args.warmup, device))
             else:
-                results.append(hf_generate_batch(model, w, args.repeat, args.warmup))
+                contenders.append(hf_generate_batch(model, w, args.warmup))
         except Exception as e:  # noqa: BLE001 - one failing comparison must not lose the others' figures
             print(f"bench throughput: transformers {method} failed: {type(e).__name__}: {e}", file=sys.stderr)
-    del model
-    _free_device_memory()
-    return results
+    if contenders:
+        contenders[-1].close = _free_device_memory
+    return contenders
 
 
 # ------------------------------------------------------------------------------------------------- report
@@ -344,6 +362,14 @@ def ratios(measurements: list[Measurement]) -> dict[str, float]:
     theirs = [m for m in measurements if not m.name.startswith("kvserve")]
     return {f"{a.name} / {b.name}": b.elapsed_s / a.elapsed_s * a.output_tokens / b.output_tokens
             for a in ours for b in theirs}
+
+
+def paired_ratios(measurements: list[Measurement]) -> dict[str, float]:
+    """With interleaved rounds: the median over rounds of each round's kvserve / transformers ratio."""
+    ours = [m for m in measurements if m.name.startswith("kvserve")]
+    theirs = [m for m in measurements if not m.name.startswith("kvserve")]
+    return {f"{a.name} / {b.name}": statistics.median(tb / ta for ta, tb in zip(a.runs_s, b.runs_s))
+            * a.output_tokens / b.output_tokens for a in ours for b in theirs}
 
 
 def print_table(w: Workload, measurements: list[Measurement], repeat: int) -> None:
@@ -397,6 +423,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "comma-separated")
     c.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of transformers generate")
     c.add_argument("--repeat", type=int, default=1, help="measured runs of each; the median is reported")
+    c.add_argument("--interleave", action="store_true",
+                   help="load every system at once and alternate their runs round by round; also reports the "
+                        "median of per-round ratios (for CPU comparisons on a noisy host; on a GPU each kvserve "
+                        "engine would claim its own KV pool)")
     c.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="a short unmeasured run first (compilation, graph capture, allocator growth)")
     c.add_argument("--out", default=None, help="write the results as JSON")
@@ -451,21 +481,39 @@ def check_args(args: argparse.Namespace) -> list[str]:
 
 
 def run_all(args, model_path: Path, w: Workload, methods: list[str]) -> list[Measurement]:
+    """Each system in turn (load, warm up, `repeat` runs, free), or with --interleave all loaded at once
+    and their runs interleaved round by round (CPU comparisons: nothing there needs freeing in between)."""
     from engine.engine import resolve_device, resolve_dtype
 
-    measurements = []
+    preparers = []
     for backend in [b.strip() for b in args.attention_backend.split(",") if b.strip()]:
-        print(f"kvserve, attention backend {backend}: {len(w.prompts)} requests ...", flush=True)
-        try:
-            measurements.append(run_kvserve(model_path, engine_options(args, backend), w, args.repeat, args.warmup))
-        except Exception:  # noqa: BLE001 - one failing backend must not lose the others' figures
-            print(f"bench throughput: kvserve with {backend} failed:\n{traceback.format_exc()}", file=sys.stderr)
-            _free_device_memory()
+        preparers.append((f"kvserve with {backend}",
+                          lambda b=backend: [kvserve_contender(model_path, engine_options(args, b), w, args.warmup)]))
     if methods:
         device = resolve_device(args.device or "auto")
         dtype = resolve_dtype(args.dtype or "auto", device)
-        print(f"transformers {', '.join(methods)} ({dtype}, {device}) ...", flush=True)
-        measurements += run_hf(model_path, w, methods, args, dtype, device)
+        preparers.append((f"transformers {', '.join(methods)} ({dtype}, {device})",
+                          lambda: hf_contenders(model_path, w, methods, args, dtype, device)))
+    measurements, loaded = [], []
+    for label, prepare in preparers:
+        print(f"{label}: {len(w.prompts)} requests ...", flush=True)
+        try:
+            contenders = prepare()
+        except Exception:  # noqa: BLE001 - one failing system must not lose the others' figures
+            print(f"bench throughput: {label} failed:\n{traceback.format_exc()}", file=sys.stderr)
+            _free_device_memory()
+            continue
+        if args.interleave:
+            loaded += contenders
+            continue
+        measurements += time_contenders(contenders, w, args.repeat)
+        for c in contenders:
+            c.close()
+    if loaded:
+        print(f"interleaved: {args.repeat} rounds of {', '.join(c.name for c in loaded)}", flush=True)
+        measurements = time_contenders(loaded, w, args.repeat)
+        for c in loaded:
+            c.close()
     return measurements
 
 
@@ -478,6 +526,7 @@ def result_record(args, model_path: Path, config: dict | None, w: Workload, meas
         "engine_options": engine_options(args, None), "attention_backends": args.attention_backend,
         "repeat": args.repeat, "warmup": args.warmup, "hf_batch_size": args.hf_batch_size,
         "results": [m.summary() for m in measurements], "ratios": ratios(measurements),
+        "interleave": args.interleave, "paired_ratios": paired_ratios(measurements) if args.interleave else None,
     }
 
 
@@ -495,6 +544,9 @@ def main(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     print_table(workload, measurements, args.repeat)
+    if args.interleave:
+        for pair, r in paired_ratios(measurements).items():
+            print(f"median of per-round ratios, {pair}: {r:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result_record(args, model_path, config, workload, measurements), f, indent=1)

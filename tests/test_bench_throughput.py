@@ -112,6 +112,30 @@ def test_generate_batch_with_per_request_output_lengths(tmp_path):
     assert w["output_tokens"] != 5 * 6  # the lengths really differ
 
 
+def test_interleaved_rounds_alternate_the_systems(tmp_path, monkeypatch, capsys):
+    """--interleave: every system loaded first, then rounds of one run each in turn; paired ratios are the
+    median of the per-round ratios."""
+    order = []
+    real = bt.time_contenders
+
+    def spy(contenders, w, repeat):
+        for c in contenders:
+            c.run_once = (lambda f, name: lambda: order.append(name) or f())(c.run_once, c.name)
+        return real(contenders, w, repeat)
+
+    monkeypatch.setattr(bt, "time_contenders", spy)
+    result = _run(tmp_path, "--model-config", json.dumps(TINY_CONFIG), "--num-prompts", "3",
+                  "--random-input-len", "8", "--random-output-len", "4", "--compare-hf", "--hf-batch-size", "4",
+                  "--repeat", "3", "--interleave")
+    kv, hf = result["results"]
+    assert order == [kv["name"], hf["name"]] * 3
+    assert result["interleave"] is True
+    (pair, paired), = result["paired_ratios"].items()
+    per_round = sorted(h / k for k, h in zip(kv["runs_s"], hf["runs_s"]))
+    assert paired == pytest.approx(per_round[1])
+    assert "median of per-round ratios" in capsys.readouterr().out
+
+
 def test_text_dataset_on_a_model_directory(tmp_path, tiny_model_dir):
     jsonl = tmp_path / "w.jsonl"
     jsonl.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}.", "output_len": 3 + i}) + "\n"
