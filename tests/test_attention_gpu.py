@@ -137,8 +137,14 @@ def test_cuda_graph_replay_with_new_metadata(name):
     static = batch(1, [(5, 1), (40, 1), (900, 1), (0, 1), (17, 1)])
     fresh = batch(2, [(1500, 1), (3, 1), (64, 1), (200, 1), (1, 1), (2000, 1)])
     impl, ref_impl = _impls(backend, group, head_dim)
+    impl.forward(static.query, static.key, static.value, static.key_cache, static.value_cache, static.meta)  # compile
+    _capture_then_replay_with(impl, ref_impl, static, fresh)
+
+
+def _capture_then_replay_with(impl, ref_impl, static, fresh) -> None:
+    """Capture impl.forward on `static`, copy `fresh`'s metadata and tensors into static's, replay: the
+    output must match the reference on `fresh`, and the caches must be written as the reference writes them."""
     args = (static.query, static.key, static.value, static.key_cache, static.value_cache, static.meta)
-    impl.forward(*args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = impl.forward(*args)
@@ -150,6 +156,7 @@ def test_cuda_graph_replay_with_new_metadata(name):
     ref = ref_impl.forward(fresh.query, fresh.key, fresh.value, fresh.key_cache, fresh.value_cache, fresh.meta)
     n = _num_real(fresh)
     assert _rel_err(out[:n], ref[:n]) < 1e-2
+    assert torch.isfinite(out).all()
     assert torch.equal(static.key_cache, fresh.key_cache) and torch.equal(static.value_cache, fresh.value_cache)
 
 
@@ -172,22 +179,7 @@ def test_mixed_cuda_graph_replay_with_another_batch_make_up(name):
     fresh = _mixed_graph_batch(2, [(2000, 40), (0, 7), (300, 12), (0, 2), (64, 1), (1500, 1), (1, 1), (31, 1),
                                    (0, 1), (2400, 1), (7, 1)], group, head_dim)
     impl, ref_impl = _impls(backend, group, head_dim)
-    args = (static.query, static.key, static.value, static.key_cache, static.value_cache, static.meta)
-    eager = impl.forward(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    ref = ref_impl.forward(static.query, static.key, static.value, static.key_cache.clone(),
-                           static.value_cache.clone(), static.meta)
+    eager, ref, _, _ = _run_both(backend, static, group, head_dim)  # the general layout, eagerly (and compiled)
     n = _num_real(static)
-    assert _rel_err(eager[:n], ref[:n]) < 1e-2  # the general layout, eagerly
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = impl.forward(*args)
-    for field in ("slot_mapping", "block_tables", "seq_lens", "context_lens", "query_start_loc", "seq_start_loc"):
-        getattr(static.meta, field).copy_(getattr(fresh.meta, field))
-    for attr in ("query", "key", "value", "key_cache", "value_cache"):
-        getattr(static, attr).copy_(getattr(fresh, attr))
-    graph.replay()
-    ref = ref_impl.forward(fresh.query, fresh.key, fresh.value, fresh.key_cache, fresh.value_cache, fresh.meta)
-    n = _num_real(fresh)
-    assert _rel_err(out[:n], ref[:n]) < 1e-2
-    assert torch.isfinite(out).all()
-    assert torch.equal(static.key_cache, fresh.key_cache) and torch.equal(static.value_cache, fresh.value_cache)
+    assert _rel_err(eager[:n], ref[:n]) < 1e-2
+    _capture_then_replay_with(impl, ref_impl, static, fresh)
