@@ -97,6 +97,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_PACK_BATCH_HINT = 256  # rows oneDNN lays the packed weight out for: measured the best from 1 to 2048 rows
+
+
+def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-packed copy of a float32 [out, in] CPU weight for packed_linear, or None where oneDNN's
+    linear ops are missing."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+    except (AttributeError, RuntimeError):  # a torch build without them
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on the CPU through a weight packed once by pack_weight_for_cpu (what torch.compile's CPU
+    backend does for frozen weights). F.linear repacks its weight on every call: 2-4x slower from 1 to 2048
+    rows on this project's CPU (docs/benchmarks.md)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 # ------------------------------------------------------------------------------------- kernels
 
 if triton is not None:

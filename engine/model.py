@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.base import AttentionBackend, AttentionMetadata
-from engine.kernels import add_rms_norm, rope_, silu_and_mul
+from engine.kernels import add_rms_norm, pack_weight_for_cpu, packed_linear, rope_, silu_and_mul
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -152,12 +152,29 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that, after pack_for_cpu(), multiplies through a oneDNN-packed copy of its weight."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def pack_for_cpu(self) -> bool:
+        weight = pack_weight_for_cpu(self.weight)
+        if weight is not None:
+            self.packed = weight, None if self.bias is None else self.bias.detach()
+        return weight is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) if self.packed is None else packed_linear(x, *self.packed)
+
+
+class MergedLinear(Linear):
     """Several HF projections stacked along the output rows (q|k|v, gate|up): one matmul instead of
     several. The loader copies HF's projection i into rows shard_slice(i)."""
 
     def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        super().__init__(in_features, sum(shard_sizes), bias)
         self.shard_sizes = shard_sizes
         self._offsets = tuple(accumulate(shard_sizes, initial=0))
 
@@ -171,7 +188,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = MergedLinear(args.hidden_size, (q_size, kv_size, kv_size), bias=args.qkv_bias)
-        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
+        self.o_proj = Linear(q_size, args.hidden_size, bias=args.o_bias)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
@@ -196,7 +213,7 @@ class MLP(nn.Module):
         super().__init__()
         inter = args.intermediate_size
         self.gate_up_proj = MergedLinear(args.hidden_size, (inter, inter), bias=args.mlp_bias)
-        self.down_proj = nn.Linear(inter, args.hidden_size, bias=args.mlp_bias)
+        self.down_proj = Linear(inter, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
@@ -233,6 +250,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # Tied: the logits reuse embed_tokens.weight, so no lm_head parameter exists to untie by accident.
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.packed_logits_weight: torch.Tensor | None = None  # see pack_for_cpu
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -242,6 +260,19 @@ class CausalLM(nn.Module):
         return self.norm.add_norm(h, residual)[0]  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # [n, vocab] in the model dtype: greedy rows need only an argmax; the sampler casts where it computes.
-        return F.linear(hidden, weight)
+        if self.packed_logits_weight is not None:
+            return packed_linear(hidden, self.packed_logits_weight, None)
+        return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
+    def pack_for_cpu(self) -> bool:
+        """Pack every matmul's weight for oneDNN (float32 on a CPU; the dense weights stay, for loading and
+        for the embedding lookup). Returns whether it did."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if not all([m.pack_for_cpu() for m in linears]):
+            for m in linears:
+                m.packed = None
+            return False
+        self.packed_logits_weight = pack_weight_for_cpu(
+            self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return True

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import (add_rms_norm, add_rms_norm_ref, rope_, rope_ref, silu_and_mul, silu_and_mul_ref)
+from engine.kernels import (add_rms_norm, add_rms_norm_ref, pack_weight_for_cpu, packed_linear, rope_, rope_ref,
+                            silu_and_mul, silu_and_mul_ref)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -14,6 +15,20 @@ def _cos_sin_cache(head_dim: int, max_pos: int = 4096, theta: float = 10000.0) -
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
     freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@pytest.mark.skipif(pack_weight_for_cpu(torch.zeros(2, 2)) is None, reason="this torch build lacks oneDNN's linear")
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    """The CPU matmul through a oneDNN-packed weight against F.linear: float32, random inputs, a strided view."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, b = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen) if bias else None
+    x = torch.randn(rows, 2 * 96, generator=gen)[:, ::2]  # [rows, 96], not contiguous
+    out = packed_linear(x, pack_weight_for_cpu(weight), b)
+    assert out.shape == (rows, 200) and out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    assert pack_weight_for_cpu(weight.bfloat16()) is None  # float32 only: other dtypes keep F.linear
 
 
 def test_references_match_transformers():

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from attention.torch_ref import TorchAttentionBackend
 from engine import loader
+from engine.kernels import pack_weight_for_cpu
 from engine.loader import (SUPPORTED_ARCHITECTURES, ensure_converted, load_hf_config, load_model, load_tokenizer,
                            resolve_model_path, weight_files)
 
@@ -175,6 +176,33 @@ def test_tied_model_has_no_separate_lm_head(tiny_model_dir):
     assert model.lm_head is None
     hidden = torch.randn(3, model.args.hidden_size)
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.embed_tokens.weight.T)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # qwen2: q/k/v biases; llama: untied lm_head
+def test_cpu_float32_load_packs_every_matmul_and_computes_the_same(tiny_model_dir, arch):
+    from engine.model import Linear
+
+    path = tiny_model_dir(arch)
+    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), TorchAttentionBackend)
+    if pack_weight_for_cpu(torch.zeros(2, 2)) is None:
+        pytest.skip("this torch build lacks oneDNN's linear")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * model.args.num_layers and all(m.packed is not None for m in linears)
+    assert model.packed_logits_weight is not None
+    a = model.args
+    kv = [(torch.zeros(8, 16, a.num_kv_heads, a.head_dim), torch.zeros(8, 16, a.num_kv_heads, a.head_dim))
+          for _ in range(a.num_layers)]
+    meta = AttentionMetadataBuilder(16, "cpu").build([SeqSpec(0, 30, [5, 1])])
+    ids, positions = torch.arange(200, 230), torch.arange(30)
+    with torch.inference_mode():
+        packed = model.compute_logits(model(ids, positions, kv, meta))
+        for m in linears:
+            m.packed = None
+        model.packed_logits_weight = None
+        dense = model.compute_logits(model(ids, positions, kv, meta))
+    torch.testing.assert_close(packed, dense, rtol=1e-4, atol=1e-4)
+    half = load_model(path, load_hf_config(path), torch.bfloat16, torch.device("cpu"), TorchAttentionBackend)
+    assert all(m.packed is None for m in half.modules() if isinstance(m, Linear))
 
 
 def test_missing_or_unexpected_weights_are_errors(tiny_model_dir, tmp_path):
