@@ -92,7 +92,8 @@ class LLMEngine:
         self.backend, self.backend_reason = explain_backend_choice(config.attention_backend, self.device, head_dim,
                                                                    config.block_size, self.dtype)
         self.backend_name = self.backend.name
-        model = load_model(path, self.hf_config, self.dtype, self.device, self.backend)
+        model = load_model(path, self.hf_config, self.dtype, self.device, self.backend,
+                           pack_for_cpu=config.cpu_packed_weights)
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_from_memory(model)
         self.runner = ModelRunner(model, self.hf_config, self.backend, self.device, self.dtype,
                                   self.num_kv_blocks, config.block_size, config.max_num_seqs, self.max_model_len,

@@ -111,11 +111,24 @@ def pack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def packed_rows(num_rows: int) -> int:
+    """The row count packed_linear hands oneDNN: exact up to 16, then rounded up to a multiple of 16 (to
+    256) or of 64. oneDNN JIT-compiles and caches a primitive per distinct shape (~0.5-2 MB each, 1024
+    kept): unbucketed, a server's ever-changing step sizes grew its memory by a third in a 200-request soak."""
+    if num_rows <= 16:
+        return num_rows
+    step = 16 if num_rows <= 256 else 64
+    return -(-num_rows // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear on the CPU through a weight packed once by pack_weight_for_cpu (what torch.compile's CPU
     backend does for frozen weights). F.linear repacks its weight on every call: 2-4x slower from 1 to 2048
-    rows on this project's CPU (docs/benchmarks.md)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    rows on this project's CPU (docs/benchmarks.md). x: [rows, in] -> [rows, out]."""
+    rows = x.shape[0]
+    if packed_rows(rows) != rows:
+        x = torch.cat((x, x.new_zeros(packed_rows(rows) - rows, x.shape[1])))  # [padded rows, in]
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")[:rows]
 
 
 # ------------------------------------------------------------------------------------- kernels

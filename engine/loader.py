@@ -157,7 +157,7 @@ def load_tokenizer(path):
 # ----------------------------------------------------------------------------- weights
 
 def load_model(path, hf_config, dtype: torch.dtype, device: torch.device | str,
-               backend: type[AttentionBackend]) -> CausalLM:
+               backend: type[AttentionBackend], pack_for_cpu: bool = False) -> CausalLM:
     start = time.perf_counter()
     device = torch.device(device)
     with torch.device("meta"):
@@ -165,7 +165,7 @@ def load_model(path, hf_config, dtype: torch.dtype, device: torch.device | str,
     model = model.to(dtype=dtype).to_empty(device=device)
     load_weights(model, weight_files(Path(path)))
     model.rotary_emb.reset_cache()  # a buffer, not in the checkpoint: to_empty() left it uninitialised
-    if model.pack_for_cpu():
+    if pack_for_cpu and model.pack_for_cpu():
         logger.info("CPU matmuls through oneDNN-packed weights")
     logger.info("loaded %s (%s, %s) in %.2f s", Path(path).name, dtype, device, time.perf_counter() - start)
     return model.eval()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.base import AttentionBackend, AttentionMetadata
-from engine.kernels import add_rms_norm, pack_weight_for_cpu, packed_linear, rope_, silu_and_mul
+from engine.kernels import add_rms_norm, pack_weight_for_cpu, packed_linear, packed_rows, rope_, silu_and_mul
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -276,3 +276,17 @@ class CausalLM(nn.Module):
         self.packed_logits_weight = pack_weight_for_cpu(
             self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         return True
+
+    @torch.inference_mode()
+    def warm_up_packed(self, max_rows: int, max_logit_rows: int) -> None:
+        """Run one layer's packed matmuls once per row count packed_linear can see (and the logits' up to
+        max_logit_rows): oneDNN builds and keeps a primitive per shape, so their memory is taken at start,
+        not while serving. The layers share shapes, so one layer covers them all."""
+        if self.packed_logits_weight is None:
+            return
+        linears = [m for m in self.layers[0].modules() if isinstance(m, Linear)]
+        for rows in sorted({packed_rows(n) for n in range(1, max_rows + 1)}):
+            for m in linears:
+                m(torch.zeros(rows, m.in_features))
+        for rows in sorted({packed_rows(n) for n in range(1, max_logit_rows + 1)}):
+            self.compute_logits(torch.zeros(rows, self.args.hidden_size))

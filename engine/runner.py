@@ -116,6 +116,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = _allocate_kv(backend, hf_config, dtype, device, num_blocks, block_size)
+        model.warm_up_packed(max_num_batched_tokens, max_num_seqs)  # CPU: oneDNN's per-shape primitives
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
         self.decode_graphs: CudaGraphSteps | None = None

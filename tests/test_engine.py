@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.request import FinishReason, RequestError
@@ -164,3 +165,24 @@ def test_graph_paths_equal_eager_steps(tiny_model_dir, kinds):
         for (tokens, lps, reason), (want_tokens, want_lps, want_reason) in zip(got, want):
             assert tokens == want_tokens and reason == want_reason
             assert lps == pytest.approx(want_lps, abs=1e-5)
+
+
+def test_cpu_packed_weights_give_the_same_greedy_tokens(tiny_model_dir):
+    """--cpu-packed-weights (oneDNN-packed matmuls, row counts rounded up to cached shapes): the tokens of
+    the plain float32 path, across chunked prefills and decode batches of every size."""
+    import random
+
+    from engine.kernels import pack_weight_for_cpu
+
+    if pack_weight_for_cpu(torch.zeros(2, 2)) is None:
+        pytest.skip("this torch build lacks oneDNN's linear")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(1, 60))] for _ in range(11)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = {}
+    for packed in (False, True):
+        llm = LLM(model=str(tiny_model_dir("qwen2")), num_kv_blocks=64, block_size=8, max_num_batched_tokens=40,
+                  max_num_seqs=6, cpu_packed_weights=packed)
+        assert (llm.engine.runner.model.packed_logits_weight is not None) == packed
+        outs[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs[True] == outs[False]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import (add_rms_norm, add_rms_norm_ref, pack_weight_for_cpu, packed_linear, rope_, rope_ref,
-                            silu_and_mul, silu_and_mul_ref)
+from engine.kernels import (add_rms_norm, add_rms_norm_ref, pack_weight_for_cpu, packed_linear, packed_rows, rope_,
+                            rope_ref, silu_and_mul, silu_and_mul_ref)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -29,6 +29,14 @@ def test_packed_linear_matches_f_linear(rows, bias):
     assert out.shape == (rows, 200) and out.dtype == torch.float32
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     assert pack_weight_for_cpu(weight.bfloat16()) is None  # float32 only: other dtypes keep F.linear
+
+
+def test_packed_rows_are_few_and_pad_little():
+    """oneDNN caches a primitive per row count: few distinct counts, each at least the rows asked for."""
+    padded = [packed_rows(n) for n in range(1, 2049)]
+    assert all(p >= n for n, p in enumerate(padded, 1)) and padded == sorted(padded)
+    assert padded[:16] == list(range(1, 17))  # small decode batches run exact
+    assert len(set(padded)) <= 60 and max(p - n for n, p in enumerate(padded, 1)) <= 63
 
 
 def test_references_match_transformers():

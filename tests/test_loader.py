@@ -183,7 +183,10 @@ def test_cpu_float32_load_packs_every_matmul_and_computes_the_same(tiny_model_di
     from engine.model import Linear
 
     path = tiny_model_dir(arch)
-    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), TorchAttentionBackend)
+    assert all(m.packed is None for m in load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"),
+                                                    TorchAttentionBackend).modules() if isinstance(m, Linear))
+    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), TorchAttentionBackend,
+                       pack_for_cpu=True)
     if pack_weight_for_cpu(torch.zeros(2, 2)) is None:
         pytest.skip("this torch build lacks oneDNN's linear")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -201,7 +204,8 @@ def test_cpu_float32_load_packs_every_matmul_and_computes_the_same(tiny_model_di
         model.packed_logits_weight = None
         dense = model.compute_logits(model(ids, positions, kv, meta))
     torch.testing.assert_close(packed, dense, rtol=1e-4, atol=1e-4)
-    half = load_model(path, load_hf_config(path), torch.bfloat16, torch.device("cpu"), TorchAttentionBackend)
+    half = load_model(path, load_hf_config(path), torch.bfloat16, torch.device("cpu"), TorchAttentionBackend,
+                      pack_for_cpu=True)
     assert all(m.packed is None for m in half.modules() if isinstance(m, Linear))
 
 
