@@ -166,8 +166,8 @@ class AttentionMetadataBuilder:
                       pad_to_blocks_per_seq: int | None) -> np.ndarray:
         # [num_seqs, width] int32, rows zero-padded; only the blocks a sequence needs are listed. A padded
         # sequence's row is all block 0, but it must be as wide as its length needs (the kernels read it).
-        needed = (-(-seq_lens[:len(seqs)] // self.block_size)).tolist()
-        width = max(needed + (-(-seq_lens[len(seqs):] // self.block_size)).tolist())
+        blocks = -(-seq_lens // self.block_size)  # [num_seqs] blocks each sequence reads
+        needed, width = blocks[:len(seqs)].tolist(), int(blocks.max())
         if pad_to_blocks_per_seq is not None:
             if pad_to_blocks_per_seq < width:
                 raise ValueError(f"a sequence needs {width} blocks, more than pad_to_blocks_per_seq="

@@ -259,11 +259,15 @@ class CausalLM(nn.Module):
             h, residual = layer(h, residual, positions, self.rotary_emb, key_cache, value_cache, meta)
         return self.norm.add_norm(h, residual)[0]  # [T, hidden]
 
+    @property
+    def logits_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [n, vocab] in the model dtype: greedy rows need only an argmax; the sampler casts where it computes.
         if self.packed_logits_weight is not None:
             return packed_linear(hidden, self.packed_logits_weight, None)
-        return F.linear(hidden, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return F.linear(hidden, self.logits_weight)
 
     def pack_for_cpu(self) -> bool:
         """Pack every matmul's weight for oneDNN (float32 on a CPU; the dense weights stay, for loading and
@@ -273,8 +277,7 @@ class CausalLM(nn.Module):
             for m in linears:
                 m.packed = None
             return False
-        self.packed_logits_weight = pack_weight_for_cpu(
-            self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        self.packed_logits_weight = pack_weight_for_cpu(self.logits_weight)
         return True
 
     @torch.inference_mode()

@@ -135,7 +135,8 @@ class ModelRunner:
         """Decode graphs (max_num_batched_tokens None) or mixed ones, captured when `capture`."""
         max_blocks = -(-max_model_len // self.block_size)
         if max_num_batched_tokens is None:
-            sizes, num_seqs = decode_graph_sizes(min(max_num_seqs, 512)), min(max_num_seqs, 512)
+            num_seqs = min(max_num_seqs, 512)
+            sizes = decode_graph_sizes(num_seqs)
         else:  # the padding prompt must fit a block-table row: at most max_blocks * block_size tokens
             sizes = mixed_graph_sizes(min(max_num_batched_tokens, MAX_MIXED_GRAPH_TOKENS, max_blocks * self.block_size))
             num_seqs = max_num_seqs

@@ -358,20 +358,22 @@ def hf_contenders(model_path: Path, w: Workload, methods: list[str], args, dtype
 # ------------------------------------------------------------------------------------------------- report
 
 
+def _kvserve_vs_others(measurements: list[Measurement]):
+    """(kvserve measurement, transformers measurement) pairs."""
+    ours = [m for m in measurements if m.name.startswith("kvserve")]
+    return [(a, b) for a in ours for b in measurements if not b.name.startswith("kvserve")]
+
+
 def ratios(measurements: list[Measurement]) -> dict[str, float]:
     """Output-throughput ratio of each kvserve run to each transformers run."""
-    ours = [m for m in measurements if m.name.startswith("kvserve")]
-    theirs = [m for m in measurements if not m.name.startswith("kvserve")]
     return {f"{a.name} / {b.name}": b.elapsed_s / a.elapsed_s * a.output_tokens / b.output_tokens
-            for a in ours for b in theirs}
+            for a, b in _kvserve_vs_others(measurements)}
 
 
 def paired_ratios(measurements: list[Measurement]) -> dict[str, float]:
     """With interleaved rounds: the median over rounds of each round's kvserve / transformers ratio."""
-    ours = [m for m in measurements if m.name.startswith("kvserve")]
-    theirs = [m for m in measurements if not m.name.startswith("kvserve")]
     return {f"{a.name} / {b.name}": statistics.median(tb / ta for ta, tb in zip(a.runs_s, b.runs_s))
-            * a.output_tokens / b.output_tokens for a in ours for b in theirs}
+            * a.output_tokens / b.output_tokens for a, b in _kvserve_vs_others(measurements)}
 
 
 def print_table(w: Workload, measurements: list[Measurement], repeat: int) -> None:
