@@ -164,7 +164,8 @@ def test_graph_paths_equal_eager_steps(tiny_model_dir, kinds):
     for got, want in zip(results[True], results[False]):
         for (tokens, lps, reason), (want_tokens, want_lps, want_reason) in zip(got, want):
             assert tokens == want_tokens and reason == want_reason
-            assert lps == pytest.approx(want_lps, abs=1e-5)
+            # Padding changes the float32 matmul shapes, so BLAS blocking differs: ~1e-5 on CI's CPUs.
+            assert lps == pytest.approx(want_lps, abs=1e-4)
 
 
 def test_cpu_packed_weights_give_the_same_greedy_tokens(tiny_model_dir):
