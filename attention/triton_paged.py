@@ -7,9 +7,14 @@ online softmax in float32. Query blocks are numbered per sequence without host h
 first block is query_start_loc[i] // BLOCK_Q + i, so num_tokens // BLOCK_Q + num_seqs programs cover
 any batch (a few find no tokens and exit) and each finds its sequence by binary search.
 
-Split-KV (flash-decoding): when that grid is too small to fill the GPU (few sequences, long keys),
-a third grid axis splits each sequence's keys into NUM_SPLITS ranges; each writes a normalized partial
-output and its log-sum-exp, and a second kernel merges them.
+Split-KV (flash-decoding): a third grid axis splits each sequence's keys into up to NUM_SPLITS ranges;
+each writes a normalized partial output and its log-sum-exp, and a second kernel merges them.
+- Decode-only batches (DECODE_ONLY: program i is sequence i, no search) split by length: a sequence gets
+  one range per DECODE_SPLIT_KEYS_* keys (at most NUM_SPLITS, from the block table's width), so a batch
+  of mixed lengths has no program walking 2k keys while the rest of the GPU idles; programs past a
+  sequence's last range exit at once and the merge reads only the ranges its sequence used.
+- Batches with prefills split only when the grid is too small to fill the GPU (few sequences, long keys),
+  evenly, and every range writes (the merge cannot tell a block's key count).
 
 Nothing is read on the host: grids depend only on tensor shapes and on meta.num_prefills (0 for the
 decode-only batches a decode graph replays, the sequence count for a mixed graph's), so the backend is
@@ -29,6 +34,11 @@ from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
 _LOG2E = 1.4426950408889634
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
 _MAX_SPLITS = 32
+# Keys per range in decode-only batches, measured on the H200 (docs/benchmarks.md, attention kernels): when
+# the batch alone fills the GPU, ranges only even out the lengths, and long ones cost the fewest partials;
+# when it does not, short ones add the parallelism.
+DECODE_SPLIT_KEYS_FULL = 1024
+DECODE_SPLIT_KEYS_SPARSE = 256
 
 
 @triton.jit
@@ -79,21 +89,33 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _keys_per_split(seq_len, NUM_SPLITS: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Whole BLOCK_N tiles, at least MIN_KEYS; the kernel and the merge must agree on it.
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_KEYS)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr, DECODE_ONLY: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block = pid - (q_start // BLOCK_Q + seq)
+    if DECODE_ONLY:  # one query token per sequence: program i is sequence i
+        seq = pid
+        q_start = pid
+        q_len = 1
+        q_block = 0
+    else:
+        seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        q_block = pid - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:  # a spare program: its sequence has fewer blocks
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -110,14 +132,19 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P]
 
-    kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)  # past the block's last visible key
+    if DECODE_ONLY:
+        kv_end = seq_len
+    else:  # past the block's last visible key
+        kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     if NUM_SPLITS == 1:
         kv_lo = 0
         kv_hi = kv_end
     else:
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = _keys_per_split(seq_len, NUM_SPLITS, SPLIT_KEYS, BLOCK_N)
         kv_lo = split * per_split
         kv_hi = tl.minimum(kv_end, kv_lo + per_split)
+        if DECODE_ONLY and split > 0 and kv_lo >= kv_end:  # past this sequence's last range
+            return
 
     # Finite start so a row that sees nothing in a tile gives exp2(-inf - m) = 0, never NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -144,28 +171,51 @@ def _paged_attention_kernel(
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     token = (q_start + q_idx).to(tl.int64)
+    out_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M] into [T, H, S]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    elif DECODE_ONLY:
+        if seq_len <= per_split:  # one range holds the whole sequence: the answer, no merge
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            _store_partial(part_out_ptr, part_lse_ptr, part, out, m_i, l_i, row_ok, offs_d, HEAD_DIM_P)
     else:
-        part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M] into [T, H, S]
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=row_ok[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        _store_partial(part_out_ptr, part_lse_ptr, part, out, m_i, l_i, row_ok, offs_d, HEAD_DIM_P)
 
 
 @triton.jit
-def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
+def _store_partial(part_out_ptr, part_lse_ptr, part, out, m_i, l_i, row_ok, offs_d, HEAD_DIM_P: tl.constexpr):
+    # A range's normalized output and its log-sum-exp, for the merge.
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=row_ok[:, None])
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+    tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DECODE_ONLY: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_P: tl.constexpr):
     # One program per (token, head): weight each split's output by exp2(lse_split - max lse).
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     base = (t * NUM_HEADS + h) * NUM_SPLITS
     splits = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    lse = tl.load(part_lse_ptr + base + splits)  # [S]; split 0 always holds key 0, so max is finite
+    if DECODE_ONLY:  # token t is sequence t; only its ranges were written
+        seq_len = tl.load(seq_lens_ptr + t)
+        num_used = tl.cdiv(seq_len, _keys_per_split(seq_len, NUM_SPLITS, SPLIT_KEYS, BLOCK_N))
+        if num_used == 1:  # its one range wrote the output itself
+            return
+        used = splits < num_used
+    else:
+        used = splits < NUM_SPLITS
+    # [S]; split 0 always holds key 0, so max is finite
+    lse = tl.load(part_lse_ptr + base + splits, mask=used, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
-    parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM_P + offs_d[None, :])  # [S, HEAD_DIM_P]
+    parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM_P + offs_d[None, :],
+                    mask=used[:, None], other=0.0)  # [S, HEAD_DIM_P]
     out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -181,28 +231,49 @@ def _tiles(head_dim_p: int, group: int, decode_only: bool) -> tuple[int, int, in
     return block_m, block_n, num_warps
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << int(math.log2(n)) if n > 1 else 1
+
+
 def _num_splits(num_programs: int, max_keys: int, sm_count: int) -> int:
-    """Splits per sequence so about two waves of programs run; a power of two, 1 when the grid is full."""
+    """Batches with prefills: splits per sequence so about two waves of programs run; a power of two, 1
+    when the grid is full."""
     if num_programs >= sm_count:
         return 1
-    want = min(-(-2 * sm_count // num_programs), max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
-    return 1 << int(math.log2(want)) if want > 1 else 1
+    return _pow2_floor(min(-(-2 * sm_count // num_programs), max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+
+
+def _decode_split_keys(num_programs: int, sm_count: int) -> int:
+    return DECODE_SPLIT_KEYS_FULL if num_programs >= sm_count else DECODE_SPLIT_KEYS_SPARSE
+
+
+def _decode_splits(max_keys: int, split_keys: int) -> int:
+    """Decode-only batches: enough ranges of split_keys for the longest sequence the block table can hold
+    (a shape, so a CUDA graph keeps it); a sequence uses only as many as its length needs."""
+    return _pow2_floor(min(-(-max_keys // split_keys), _MAX_SPLITS))
 
 
 def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sm_count: int,
-                           num_splits: int | None = None) -> torch.Tensor:
-    """query [num_tokens, num_heads, dim] -> [num_tokens, num_heads, dim]. `num_splits` None: chosen from
-    shapes (see _num_splits); tests force it to exercise both paths."""
+                           num_splits: int | None = None, decode_split_keys: int | None = None) -> torch.Tensor:
+    """query [num_tokens, num_heads, dim] -> [num_tokens, num_heads, dim]. `num_splits` and
+    `decode_split_keys` (a multiple of the key tile, 64) None: chosen from shapes (_num_splits,
+    _decode_split_keys, _decode_splits); tests and benchmarks force them."""
     num_tokens, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps = _tiles(head_dim_p, group, decode_only=meta.num_prefills == 0)
+    decode_only = meta.num_prefills == 0
+    block_m, block_n, num_warps = _tiles(head_dim_p, group, decode_only)
     block_q = block_m // group
-    grid_q = num_tokens // block_q + meta.num_seqs
-    if num_splits is None:
-        num_splits = _num_splits(grid_q * num_kv_heads, meta.block_tables.shape[1] * page_size, sm_count)
+    grid_q = meta.num_seqs if decode_only else num_tokens // block_q + meta.num_seqs
+    max_keys = meta.block_tables.shape[1] * page_size
+    if decode_only:
+        split_keys = decode_split_keys or _decode_split_keys(grid_q * num_kv_heads, sm_count)
+        num_splits = num_splits or _decode_splits(max_keys, split_keys)
+    else:  # even ranges, only when the grid is small
+        split_keys = block_n
+        num_splits = num_splits or _num_splits(grid_q * num_kv_heads, max_keys, sm_count)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     part_out = part_lse = out  # unused placeholders when not splitting
     if num_splits > 1:
@@ -218,17 +289,21 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        SPLIT_KEYS=split_keys, DECODE_ONLY=decode_only,
         # float32 caches (rare on GPU) keep full precision; tf32 would cost ~1e-3 relative error.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=2)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_lse, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
+            out, part_out, part_lse, meta.seq_lens, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits, SPLIT_KEYS=split_keys, BLOCK_N=block_n, DECODE_ONLY=decode_only,
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
     return out
 
 
 class TritonAttentionImpl(AttentionImpl):
+    decode_split_keys: int | None = None  # None: by batch size; benchmarks/profile_workload.py varies it
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__(num_heads, head_dim, scale, num_kv_heads)
         self._sm_count: int | None = None  # read once, on the first forward (the device is known then)
@@ -237,7 +312,8 @@ class TritonAttentionImpl(AttentionImpl):
         write_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
         if self._sm_count is None:
             self._sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count
-        return paged_attention_triton(query, key_cache, value_cache, meta, self.scale, self._sm_count)
+        return paged_attention_triton(query, key_cache, value_cache, meta, self.scale, self._sm_count,
+                                      decode_split_keys=self.decode_split_keys)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -33,7 +33,9 @@ def workloads(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
     decode = [(rng.randint(500, 700), 1) for _ in range(256)]
     mixed = [(0, 512), (0, 300), (1024, 512), (600, 256)] + [(rng.randint(300, 900), 1) for _ in range(128)]
     long_decode = [(rng.randint(7000, 9000), 1) for _ in range(8)]
-    return {"decode 256 x ~600": decode, "mixed 4 prefills + 128 decodes": mixed, "decode 8 x ~8k": long_decode}
+    spread = [(rng.randint(100, 2047), 1) for _ in range(256)]  # W-A's decode steps: contexts of 100 to 2k
+    return {"decode 256 x ~600": decode, "mixed 4 prefills + 128 decodes": mixed, "decode 8 x ~8k": long_decode,
+            "decode 256 x 100-2k": spread}
 
 
 def _eager_us(calls: list, iters: int) -> float:
@@ -87,8 +89,8 @@ def bench_backend(backend, batch, layers, heads: tuple[int, int, int], iters: in
     return {"eager_us": eager_us, "graph_us": _graph_us(calls, iters) if backend.name != "torch" else None}
 
 
-def bench_triton_without_split(batch, layers, heads: tuple[int, int, int], iters: int) -> dict:
-    """Our kernel with split-KV forced off: what the split buys on few long sequences."""
+def bench_triton_variant(batch, layers, heads: tuple[int, int, int], iters: int, **options) -> dict:
+    """Our kernel with its split-KV choice overridden (num_splits=1: off; decode_split_keys: range size)."""
     from attention.triton_paged import paged_attention_triton, write_kv_triton
 
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -96,11 +98,15 @@ def bench_triton_without_split(batch, layers, heads: tuple[int, int, int], iters
     def call(key_cache, value_cache):
         write_kv_triton(batch.key, batch.value, key_cache, value_cache, batch.meta.slot_mapping)
         return paged_attention_triton(batch.query, key_cache, value_cache, batch.meta, heads[2] ** -0.5,
-                                      sm_count, num_splits=1)
+                                      sm_count, **options)
 
     calls = [functools.partial(call, k, v) for k, v in layers]
     eager_us = _eager_us(calls, iters)
     return {"eager_us": eager_us, "graph_us": _graph_us(calls, iters)}
+
+
+TRITON_VARIANTS = {"triton (split-KV off)": {"num_splits": 1}, **{
+    f"triton (decode ranges of {n})": {"decode_split_keys": n} for n in (256, 512, 1024)}}
 
 
 def kv_bytes(batch, heads: tuple[int, int, int]) -> int:
@@ -108,10 +114,12 @@ def kv_bytes(batch, heads: tuple[int, int, int]) -> int:
     return int(batch.meta.seq_lens.sum()) * num_kv_heads * head_dim * 2 * batch.key_cache.element_size()
 
 
-def run(iters: int) -> list[dict]:
+def run(iters: int, only: str | None = None) -> list[dict]:
     rows = []
     for shape_name, heads in SHAPES.items():
         for work_name, lens in workloads(random.Random(0)).items():
+            if only and only not in f"{shape_name} {work_name}":
+                continue
             batch = make_random_batch(lens, *heads, 16, torch.bfloat16, "cuda", seed=1)
             layers = _layers(batch)
             del batch.full_keys[:], batch.full_values[:]  # free what only the tests need
@@ -123,8 +131,9 @@ def run(iters: int) -> list[dict]:
                     continue
                 variants = [(name, lambda: bench_backend(backend, batch, layers, heads, iters))]
                 if name == "triton":
-                    variants.append(("triton (split-KV off)",
-                                     lambda: bench_triton_without_split(batch, layers, heads, iters)))
+                    variants += [(label, functools.partial(bench_triton_variant, batch, layers, heads, iters, **opts))
+                                 for label, opts in TRITON_VARIANTS.items()
+                                 if work_name.startswith("decode") or opts.get("num_splits")]
                 for label, bench in variants:
                     row = {"shape": shape_name, "workload": work_name, "backend": label, **bench()}
                     best = row["graph_us"] or row["eager_us"]
@@ -146,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--only", help="run the shape/workload pairs whose names contain this text")
     args = parser.parse_args()
     env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__}
@@ -154,7 +164,7 @@ def main() -> None:
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    rows = run(args.iters)
+    rows = run(args.iters, args.only)
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print(f"\n{env}\n| shape | workload | backend | eager us/call | graph us/call | KV GB/s |\n|---|---|---|---|---|---|")

@@ -99,6 +99,27 @@ def test_triton_split_kv_matches_reference(num_splits, head_dim):
     assert _rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("split_keys", [64, 256, 1024])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_decode_ranges_match_reference(split_keys, head_dim):
+    """Decode-only batches split each sequence by its length (ranges past its end exit, the merge reads only
+    the used ones): mixed lengths, a graph's padded block table and padded sequences."""
+    _backend_or_skip("triton", head_dim, 16)
+    from attention.triton_paged import paged_attention_triton, write_kv_triton
+
+    rng = random.Random(split_keys + head_dim)
+    lens = [(0, 1), (1, 1), (split_keys - 1, 1), (split_keys, 1)] + [(rng.randint(0, 3000), 1) for _ in range(20)]
+    batch = make_random_batch(lens, 14, NUM_KV_HEADS, head_dim, 16, torch.bfloat16, "cuda", seed=split_keys,
+                              pad_to_num_tokens=32, pad_to_blocks_per_seq=4096 // 16)
+    ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
+        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
+    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, head_dim ** -0.5,
+                                 sm_count=132, decode_split_keys=split_keys)
+    n = len(lens)
+    assert _rel_err(out[:n], ref[:n]) < 1e-2
+
+
 def test_triton_kv_write_matches_index_copy():
     _backend_or_skip("triton", 128, 16)
     from attention.triton_paged import write_kv_triton

@@ -1,0 +1,202 @@
+"""Where a whole workload's time goes, per backend: steps grouped by what they hold, and kernels per phase.
+
+    python benchmarks/profile_workload.py --preset wa --attention-backend triton,flash-attn-4 --out wa-profile.json
+
+profile_step.py looks at one steady decode step; an end-to-end figure (bench throughput) also pays for
+prefill steps, the steps where prefills and decodes mix, and the tail where few long requests remain.
+This runs the preset's workload once to warm up, then once more timing every step (the wall time between
+two schedule() calls, which with async scheduling is the pipeline's period) and grouping the steps:
+"prefill" (any prompt tokens in the step) and decode-only steps by batch size. Then it runs it a third
+time with torch.profiler on for a few windows of steps (--windows) and sums device time per kernel in each.
+Prints a table per backend and a side-by-side summary; writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from server.bench_throughput import build_random_model, parse_model_config, workload_wa, workload_wb  # noqa: E402
+
+WORKLOADS = {"wa": workload_wa, "wb": workload_wb}
+DECODE_GROUPS = ((193, 256), (129, 192), (65, 128), (17, 64), (1, 16))
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def step_group(sched_out) -> str:
+    if any(s.num_new_tokens > 1 for s in sched_out.scheduled):
+        return "prefill (with decodes)"
+    n = len(sched_out.scheduled)
+    lo, hi = next(g for g in DECODE_GROUPS if g[0] <= n <= g[1])
+    return f"decode {lo}-{hi}"
+
+
+def add_workload(engine, workload) -> None:
+    from engine.request import SamplingParams
+
+    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+        params = SamplingParams(temperature=workload.temperature, max_tokens=out_len, ignore_eos=True)
+        engine.add_request(f"r{i}", [t % engine.vocab_size for t in prompt], params)
+
+
+def run_timed(engine, workload) -> dict:
+    """One run; every step's period (schedule to schedule) summed per group."""
+    marks: list[tuple[float, str]] = []
+    schedule = engine.scheduler.schedule
+
+    def timed_schedule():
+        out = schedule()
+        if not out.is_empty:
+            marks.append((time.perf_counter(), step_group(out)))
+        return out
+
+    engine.scheduler.schedule = timed_schedule
+    add_workload(engine, workload)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    sync()
+    end = time.perf_counter()
+    del engine.scheduler.schedule
+    groups: dict[str, list[float]] = defaultdict(list)
+    for (t, group), (t_next, _) in zip(marks, marks[1:] + [(end, "")]):
+        groups[group].append(t_next - t)
+    return {"wall_s": end - start, "steps": len(marks),
+            "groups": {g: {"steps": len(v), "total_s": sum(v), "mean_ms": sum(v) / len(v) * 1e3}
+                       for g, v in sorted(groups.items())}}
+
+
+def run_profiled(engine, workload, windows: list[tuple[int, int]]) -> list[dict]:
+    """One run with torch.profiler on for each [first, last) window of steps: device time per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    add_workload(engine, workload)
+    results, step, prof = [], 0, None
+    while engine.has_unfinished_requests():
+        window = next((w for w in windows if w[0] <= step < w[1]), None)
+        if window is not None and prof is None:
+            cuda = torch.cuda.is_available()  # on the CPU (a smoke test) ops stand in for kernels
+            prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+            prof.start()
+            batch = len(engine.scheduler.running)
+        engine.step()
+        step += 1
+        if prof is not None and (window is None or step == window[1]):
+            sync()
+            prof.stop()
+            results.append(kernel_table(prof, window or (step - 1, step), batch))
+            prof = None
+    return results
+
+
+def kernel_table(prof, window: tuple[int, int], batch: int, top: int = 12) -> dict:
+    steps = window[1] - window[0]
+    per_kernel: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.name] += evt.device_time_total / steps
+        elif not torch.cuda.is_available():
+            per_kernel[evt.name] += evt.self_cpu_time_total / steps
+    total = sum(per_kernel.values())
+    rows = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+    return {"window": list(window), "batch_at_start": batch, "device_us_per_step": total,
+            "top": [{"kernel": k[:100], "us_per_step": v, "share": v / total} for k, v in rows]}
+
+
+def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workloads: dict, args) -> list[dict]:
+    """One engine, each workload warmed up then timed; the first workload also profiled in windows."""
+    from engine.llm import LLM
+
+    if split_keys:  # read at capture: graphs keep the split count they were captured with
+        from attention.triton_paged import TritonAttentionImpl
+        TritonAttentionImpl.decode_split_keys = split_keys
+    llm = LLM(model=str(model_dir), attention_backend=backend, max_model_len=2048, max_num_batched_tokens=16384,
+              max_num_seqs=256, skip_tokenizer_init=True, enable_prefix_caching=False)
+    engine, results = llm.engine, []
+    windows = [tuple(int(x) for x in w.split("-")) for w in args.windows.split(",") if w]
+    for i, (name, workload) in enumerate(workloads.items()):
+        run_timed(engine, workload)  # warm-up: every graph size and JIT variant the workload meets
+        timed = run_timed(engine, workload)
+        kernels = run_profiled(engine, workload, windows) if windows and i == 0 else []
+        results.append({"backend": engine.backend_name, "triton_decode_split_keys": split_keys, "preset": name,
+                        "output_tokens": workload.output_tokens,
+                        "out_tok_per_s": workload.output_tokens / timed["wall_s"], **timed, "kernels": kernels})
+        print_result(results[-1])
+    del llm, engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results
+
+
+def label(r: dict) -> str:
+    split = f" (decode ranges of {r['triton_decode_split_keys']})" if r["triton_decode_split_keys"] else ""
+    return f"{r['backend']}{split}, {r['preset']}"
+
+
+def print_result(r: dict) -> None:
+    print(f"\n== {label(r)}: {r['wall_s']:.3f} s, {r['steps']} steps, {r['out_tok_per_s']:,.0f} output tok/s")
+    print(f"{'group':>24} {'steps':>6} {'total s':>8} {'ms/step':>8}")
+    for g, v in r["groups"].items():
+        print(f"{g:>24} {v['steps']:6d} {v['total_s']:8.3f} {v['mean_ms']:8.3f}")
+    for k in r["kernels"]:
+        print(f"-- steps {k['window'][0]}-{k['window'][1]} (batch {k['batch_at_start']}): "
+              f"{k['device_us_per_step'] / 1e3:.3f} ms of kernels per step")
+        for row in k["top"]:
+            print(f"{row['us_per_step']:10.1f} us {row['share']:6.1%}  {row['kernel']}")
+
+
+def print_summary(results: list[dict]) -> None:
+    for preset in dict.fromkeys(r["preset"] for r in results):
+        rows = [r for r in results if r["preset"] == preset]
+        groups = sorted({g for r in rows for g in r["groups"]})
+        print(f"\n{preset}, seconds per group: " + " | ".join(label(r) for r in rows))
+        for g in groups:
+            print(f"{g:>24} " + " ".join(f"{r['groups'].get(g, {}).get('total_s', 0):10.3f}" for r in rows))
+        print(f"{'total':>24} " + " ".join(f"{r['wall_s']:10.3f}" for r in rows))
+        print(f"{'output tok/s':>24} " + " ".join(f"{r['out_tok_per_s']:10.0f}" for r in rows))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="wa", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    p.add_argument("--attention-backend", default="triton,flash-attn-4")
+    p.add_argument("--windows", default="0-12,300-306,800-806", help="step windows to profile, first-last")
+    p.add_argument("--model-config", default="qwen2.5-0.5b")
+    p.add_argument("--num-requests", type=int, help="only the first N requests (a CPU smoke test)")
+    p.add_argument("--triton-decode-split-keys", default="",
+                   help="comma-separated keys per split-KV range in triton's decode-only batches, one engine "
+                        "each (a huge value: no split); default: the kernel's")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    workloads = {name: WORKLOADS[name]() for name in args.preset.split(",")}
+    for w in workloads.values():
+        if args.num_requests:
+            w.prompts, w.output_lens = w.prompts[:args.num_requests], w.output_lens[:args.num_requests]
+    splits = [int(x) for x in args.triton_decode_split_keys.split(",") if x] or [None]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_random_model(parse_model_config(args.model_config), Path(tmp))
+        for backend in args.attention_backend.split(","):
+            for split_keys in (splits if backend == "triton" else [None]):
+                results += profile_backend(model_dir, backend, split_keys, workloads, args)
+                if args.out:  # after each engine: a run cut short still leaves what it measured
+                    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+                    args.out.write_text(json.dumps({"device": device, "results": results}, indent=2))
+    print_summary(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
