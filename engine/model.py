@@ -263,6 +263,10 @@ class CausalLM(nn.Module):
     def logits_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def is_packed(self) -> bool:
+        return self.packed_logits_weight is not None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [n, vocab] in the model dtype: greedy rows need only an argmax; the sampler casts where it computes.
         if self.packed_logits_weight is not None:
@@ -285,7 +289,7 @@ class CausalLM(nn.Module):
         """Run one layer's packed matmuls once per row count packed_linear can see (and the logits' up to
         max_logit_rows): oneDNN builds and keeps a primitive per shape, so their memory is taken at start,
         not while serving. The layers share shapes, so one layer covers them all."""
-        if self.packed_logits_weight is None:
+        if not self.is_packed:
             return
         linears = [m for m in self.layers[0].modules() if isinstance(m, Linear)]
         for rows in sorted({packed_rows(n) for n in range(1, max_rows + 1)}):

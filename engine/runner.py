@@ -8,6 +8,7 @@ import torch
 
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
+from engine.malloc import pin_mmap_threshold
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
@@ -116,7 +117,9 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = _allocate_kv(backend, hf_config, dtype, device, num_blocks, block_size)
-        model.warm_up_packed(max_num_batched_tokens, max_num_seqs)  # CPU: oneDNN's per-shape primitives
+        self._warm_rows = max_num_batched_tokens, max_num_seqs
+        self._warm_threads: int | None = None  # the torch thread count the packed matmuls were built for
+        self.warm_up()
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
         self.decode_graphs: CudaGraphSteps | None = None
@@ -129,6 +132,26 @@ class ModelRunner:
                 self.mixed_graphs = self.make_graphs(max_num_seqs, max_model_len, max_num_batched_tokens,
                                                      capture=True)
                 self.mixed_graphs.capture(pool)
+
+    def warm_up(self) -> None:
+        """CPU, packed weights: build oneDNN's primitive for every shape a step can use, now. oneDNN keys
+        them by thread count too, so they serve only under the count set here: set it before the engine
+        is built (the server does), or the first step under another count builds them all again."""
+        if not self.model.is_packed:
+            return
+        pin_mmap_threshold()  # else the warm-up's large buffers lift it for good: see engine/malloc.py
+        self.model.warm_up_packed(*self._warm_rows)
+        self._warm_threads = torch.get_num_threads()
+
+    def _check_warm(self) -> None:
+        # A changed thread count would make every matmul shape a primitive-cache miss, built lazily while
+        # serving (a soak saw +100 MB): rebuild them all at once instead, and say so.
+        threads = torch.get_num_threads()
+        if self._warm_threads is not None and threads != self._warm_threads:
+            logger.warning("torch threads changed from %d to %d after the warm-up: rebuilding the packed "
+                           "matmuls' primitives (set the thread count before building the engine)",
+                           self._warm_threads, threads)
+            self.warm_up()
 
     def make_graphs(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None,
                     capture: bool) -> CudaGraphSteps:
@@ -155,6 +178,7 @@ class ModelRunner:
         are read from its device tensor, so the host never waits for them."""
         for rid in out.finished_ids:
             self.sampler.free(rid)
+        self._check_warm()
         inputs = prepare_inputs(out)
         ids = [r.request_id for r in inputs.sample_requests]
         graphs = self._graphs_for(inputs)

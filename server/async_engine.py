@@ -343,8 +343,7 @@ class AsyncEngine:
     def _load(self) -> bool:
         start = time.monotonic()
         try:
-            engine = self._factory()
-            _leave_a_core_for_http(engine)
+            engine = _build_leaving_a_core_for_http(self._factory)
             self.tokenizer = _own_copy(engine.tokenizer)
             self.engine = engine
             self._stats = engine.stats()
@@ -493,14 +492,20 @@ class AsyncEngine:
         self._routes.clear()
 
 
-def _leave_a_core_for_http(engine) -> None:
-    """On the CPU, torch's intra-op threads spin on every core between ops and starve the event loop's
-    thread: measured 10x slower tokens on 2 cores. Leave one core to the HTTP side."""
-    device = getattr(engine, "device", None)
-    if device is not None and device.type == "cpu":
-        import torch
+def _build_leaving_a_core_for_http(factory):
+    """factory() with torch's intra-op threads one fewer than the cores when the engine is on the CPU.
+    They spin on every core between ops and starve the event loop's thread: measured 10x slower tokens on
+    2 cores. Set before the engine is built, in this thread: its warm-up builds oneDNN primitives for the
+    thread count it runs under, and under another count every one is built again while serving."""
+    import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    engine = factory()
+    device = getattr(engine, "device", None)
+    if device is None or device.type != "cpu":  # a GPU engine keeps torch's default
+        torch.set_num_threads(threads)
+    return engine
 
 
 def _own_copy(tokenizer):

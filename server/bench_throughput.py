@@ -181,8 +181,8 @@ def engine_options(args: argparse.Namespace, backend: str | None) -> dict:
     opts = {k: v for k, v in opts.items() if v is not None}
     if args.enforce_eager:
         opts["enforce_eager"] = True
-    if args.cpu_packed_weights:
-        opts["cpu_packed_weights"] = True
+    if args.cpu_packed_weights is not None:
+        opts["cpu_packed_weights"] = args.cpu_packed_weights
     if not args.prefix_caching:
         opts["enable_prefix_caching"] = False
     if args.no_async_scheduling:
@@ -416,7 +416,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         e.add_argument(flag, type=int, default=None)
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     e.add_argument("--enforce-eager", action="store_true")
-    e.add_argument("--cpu-packed-weights", action="store_true", help="oneDNN-packed CPU matmuls (opt-in)")
+    e.add_argument("--cpu-packed-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="oneDNN-packed float32 CPU matmuls (the engine's default: on)")
     e.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="off by default: repeated runs resend the same prompts and would measure the cache "
                         "(vLLM's peer script turns it off too)")
