@@ -165,6 +165,11 @@ class Linear(nn.Linear):
             self.packed = weight, None if self.bias is None else self.bias.detach()
         return weight is not None
 
+    def drop_dense_weight(self) -> None:
+        """Once packed, nothing reads the dense weight again: free it (an empty parameter stays, so the
+        module keeps nn.Linear's attributes). No way back to F.linear after this."""
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) if self.packed is None else packed_linear(x, *self.packed)
 
@@ -274,14 +279,19 @@ class CausalLM(nn.Module):
         return F.linear(hidden, self.logits_weight)
 
     def pack_for_cpu(self) -> bool:
-        """Pack every matmul's weight for oneDNN (float32 on a CPU; the dense weights stay, for loading and
-        for the embedding lookup). Returns whether it did."""
+        """Pack every matmul's weight for oneDNN (float32 on a CPU), then free the dense copies: all but the
+        embedding, which its lookup needs (tied, it is also the logits' weight). Call after loading.
+        Returns whether it did."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if not all([m.pack_for_cpu() for m in linears]):
             for m in linears:
                 m.packed = None
             return False
         self.packed_logits_weight = pack_weight_for_cpu(self.logits_weight)
+        for m in linears:
+            m.drop_dense_weight()
+        if self.lm_head is not None and self.packed_logits_weight is not None:
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight.new_empty(0), requires_grad=False)
         return True
 
     @torch.inference_mode()

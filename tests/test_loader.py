@@ -183,8 +183,8 @@ def test_cpu_float32_load_packs_every_matmul_and_computes_the_same(tiny_model_di
     from engine.model import Linear
 
     path = tiny_model_dir(arch)
-    assert all(m.packed is None for m in load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"),
-                                                    TorchAttentionBackend).modules() if isinstance(m, Linear))
+    dense_model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), TorchAttentionBackend)
+    assert all(m.packed is None for m in dense_model.modules() if isinstance(m, Linear))
     model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), TorchAttentionBackend,
                        pack_for_cpu=True)
     if pack_weight_for_cpu(torch.zeros(2, 2)) is None:
@@ -192,6 +192,9 @@ def test_cpu_float32_load_packs_every_matmul_and_computes_the_same(tiny_model_di
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * model.args.num_layers and all(m.packed is not None for m in linears)
     assert model.packed_logits_weight is not None
+    # The dense copies are freed once packed: all but the embedding, which the lookup needs.
+    assert all(m.weight.numel() == 0 for m in linears) and model.embed_tokens.weight.numel() > 0
+    assert model.lm_head is None or model.lm_head.weight.numel() == 0
     a = model.args
     kv = [(torch.zeros(8, 16, a.num_kv_heads, a.head_dim), torch.zeros(8, 16, a.num_kv_heads, a.head_dim))
           for _ in range(a.num_layers)]
@@ -199,10 +202,7 @@ def test_cpu_float32_load_packs_every_matmul_and_computes_the_same(tiny_model_di
     ids, positions = torch.arange(200, 230), torch.arange(30)
     with torch.inference_mode():
         packed = model.compute_logits(model(ids, positions, kv, meta))
-        for m in linears:
-            m.packed = None
-        model.packed_logits_weight = None
-        dense = model.compute_logits(model(ids, positions, kv, meta))
+        dense = dense_model.compute_logits(dense_model(ids, positions, kv, meta))
     torch.testing.assert_close(packed, dense, rtol=1e-4, atol=1e-4)
     half = load_model(path, load_hf_config(path), torch.bfloat16, torch.device("cpu"), TorchAttentionBackend,
                       pack_for_cpu=True)
