@@ -61,12 +61,12 @@ class PartTimer:
         self._wrapped.clear()
 
 
-def start_decoding(llm, num_requests: int) -> None:
+def start_decoding(llm, num_requests: int, temperature: float = 0.0) -> None:
     """Admit W-B's prompts with long outputs and step until every request has sampled tokens."""
     from engine.request import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=1024, ignore_eos=True)
     for i, prompt in enumerate(workload_wb().prompts[:num_requests]):
         engine.add_request(f"p{i}", [t % engine.vocab_size for t in prompt], params)  # small test vocabularies
     seen: set[str] = set()
@@ -167,7 +167,7 @@ def profile_backend(model_dir: Path, backend: str, args) -> dict:
     if args.device == "cpu":  # the GPU's decode path (graph buffers), without capture: same host work
         runner = llm.engine.runner
         runner.decode_graphs = runner.make_graphs(args.num_requests, llm.engine.max_model_len, None, capture=False)
-    start_decoding(llm, args.num_requests)
+    start_decoding(llm, args.num_requests, args.temperature)
     timing = time_steps(llm.engine, args.steps)
     roof = roofline_ms(llm.engine, args.hbm_tb_s * 1e12)
     kernels = profile_kernels(llm.engine, args.profile_steps)
@@ -207,6 +207,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (W-B); W-A samples at 0.6")
     p.add_argument("--hbm-tb-s", type=float, default=4.3, help="HBM bandwidth (H200: 4.8 peak, ~4.3 achievable)")
     p.add_argument("--model-config", default="qwen2.5-0.5b", help="a built-in name, a .json file or inline JSON")
     p.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
