@@ -141,8 +141,14 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
 
 
 def label(r: dict) -> str:
-    split = f" (decode ranges of {r['triton_decode_split_keys']})" if r["triton_decode_split_keys"] else ""
+    keys = r["triton_decode_split_keys"]
+    split = "" if not keys else " (decode: no split)" if keys >= 1 << 20 else f" (decode ranges of {keys})"
     return f"{r['backend']}{split}, {r['preset']}"
+
+
+def group_order(group: str) -> tuple[int, int]:
+    # The prefill steps first, then decode groups from the largest batches down: a run's order in time.
+    return (0, 0) if group.startswith("prefill") else (1, -int(group.split("-")[-1]))
 
 
 def print_result(r: dict) -> None:
@@ -160,12 +166,36 @@ def print_result(r: dict) -> None:
 def print_summary(results: list[dict]) -> None:
     for preset in dict.fromkeys(r["preset"] for r in results):
         rows = [r for r in results if r["preset"] == preset]
-        groups = sorted({g for r in rows for g in r["groups"]})
+        groups = sorted({g for r in rows for g in r["groups"]}, key=group_order)
         print(f"\n{preset}, seconds per group: " + " | ".join(label(r) for r in rows))
         for g in groups:
             print(f"{g:>24} " + " ".join(f"{r['groups'].get(g, {}).get('total_s', 0):10.3f}" for r in rows))
         print(f"{'total':>24} " + " ".join(f"{r['wall_s']:10.3f}" for r in rows))
         print(f"{'output tok/s':>24} " + " ".join(f"{r['out_tok_per_s']:10.0f}" for r in rows))
+
+
+def plot_groups(results: list[dict], path: Path) -> None:
+    """Per run, one bar stacked by step group (seconds): where the runs of each workload differ."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({g for r in results for g in r["groups"]}, key=group_order)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * len(results)))
+    labels = [label(r) for r in results]
+    left = [0.0] * len(results)
+    for g in groups:
+        widths = [r["groups"].get(g, {}).get("total_s", 0.0) for r in results]
+        ax.barh(labels, widths, left=left, label=g)
+        left = [a + b for a, b in zip(left, widths)]
+    for y, r in enumerate(results):
+        ax.text(left[y], y, f" {r['out_tok_per_s']:,.0f} tok/s", va="center", fontsize=8)
+    ax.set_xlim(0, max(left) * 1.25)  # room for the tok/s labels
+    ax.set_xlabel("seconds (one timed run)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> int:
@@ -179,7 +209,12 @@ def main() -> int:
                    help="comma-separated keys per split-KV range in triton's decode-only batches, one engine "
                         "each (a huge value: no split); default: the kernel's")
     p.add_argument("--out", type=Path)
+    p.add_argument("--plot", type=Path, help="a PNG of the step groups per run")
+    p.add_argument("--replot", type=Path, help="only plot an earlier --out file (no GPU needed)")
     args = p.parse_args()
+    if args.replot:
+        plot_groups(json.loads(args.replot.read_text())["results"], args.plot)
+        return 0
     workloads = {name: WORKLOADS[name]() for name in args.preset.split(",")}
     for w in workloads.values():
         if args.num_requests:
@@ -195,6 +230,8 @@ def main() -> int:
                     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
                     args.out.write_text(json.dumps({"device": device, "results": results}, indent=2))
     print_summary(results)
+    if args.plot:
+        plot_groups(results, args.plot)
     return 0
 
 
