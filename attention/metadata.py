@@ -33,7 +33,9 @@ from attention.base import PAD_SLOT_ID, AttentionMetadata
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass takes ~3x longer to build, and the runner builds one
 class SeqSpec:            # per sequence per step; nothing changes one after it is made
-    """One scheduled sequence: `context_len` tokens already cached, `query_len` new ones this step."""
+    """One scheduled sequence: `context_len` tokens already cached, `query_len` new ones this step.
+    `block_ids` may be the caller's live list, but only ever appended to while it is handed in (a freed
+    sequence gets a new list): BlockTableRows relies on it."""
 
     context_len: int
     query_len: int
@@ -112,6 +114,33 @@ class HostMetadata:
         return int(self.seq_lens.max())
 
 
+class BlockTableRows:
+    """A block table that lives across steps (a CUDA graph's staging buffer): each row is rewritten only
+    where its sequence changed or grew, instead of every row every step (at 256 decodes and 2k context,
+    filling 256 rows of 128 ids was most of a step's metadata time). A row is known by the block_ids
+    list it was written from and how many ids it holds; entries past those are 0, as in a fresh table."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table  # [max_rows, width] int32, all 0 at start
+        self._rows: list[tuple[Sequence[int] | None, int]] = [(None, 0)] * table.shape[0]
+
+    def fill(self, seqs: Sequence[SeqSpec], needed: list[int], num_rows: int) -> np.ndarray:
+        """Rows 0..num_rows-1: sequence i's first needed[i] block ids, then padding rows (all 0).
+        Returns the [num_rows, width] view."""
+        for i in range(num_rows):
+            ids, n = (seqs[i].block_ids, needed[i]) if i < len(seqs) else (None, 0)
+            held, m = self._rows[i]
+            if held is ids and ids is not None:  # the same list: only appended to since (SeqSpec)
+                if n > m:
+                    self.table[i, m:n] = ids[m:n]
+            elif n:
+                self.table[i, :n] = ids[:n] if len(ids) != n else ids
+            if m > n:
+                self.table[i, n:m] = 0
+            self._rows[i] = (ids, n)
+        return self.table[:num_rows]
+
+
 class AttentionMetadataBuilder:
     def __init__(self, block_size: int, device: torch.device | str) -> None:
         self.block_size = block_size
@@ -139,8 +168,10 @@ class AttentionMetadataBuilder:
         )
 
     def build_host(self, seqs: Sequence[SeqSpec], pad_to_num_tokens: int | None = None,
-                   pad_to_num_seqs: int | None = None, pad_to_blocks_per_seq: int | None = None) -> HostMetadata:
-        """build()'s arrays on the host; same arguments."""
+                   pad_to_num_seqs: int | None = None, pad_to_blocks_per_seq: int | None = None,
+                   table_rows: BlockTableRows | None = None) -> HostMetadata:
+        """build()'s arrays on the host; same arguments. `table_rows`: write block_tables into that
+        persistent table (its width must be pad_to_blocks_per_seq) rather than a new array."""
         if not seqs:
             raise ValueError("cannot build attention metadata for an empty batch")
         context, query, num_prefills = _seq_arrays(seqs, self.block_size)
@@ -152,7 +183,7 @@ class AttentionMetadataBuilder:
         context_lens = np.concatenate((context, np.zeros(num_pad, np.int64)))
         query_lens = np.concatenate((query, pad_query_lens))
         seq_lens = context_lens + query_lens
-        block_tables = self._block_tables(seqs, seq_lens, num_pad, pad_to_blocks_per_seq)
+        block_tables = self._block_tables(seqs, seq_lens, num_pad, pad_to_blocks_per_seq, table_rows)
         query_start_loc = np.concatenate(([0], np.cumsum(query_lens)))
         seq_start_loc = np.concatenate(([0], np.cumsum(seq_lens)))
         slot_mapping = np.full(int(query_start_loc[-1]), PAD_SLOT_ID, np.int64)
@@ -163,7 +194,7 @@ class AttentionMetadataBuilder:
                             context_lens, query_start_loc, seq_start_loc)
 
     def _block_tables(self, seqs: Sequence[SeqSpec], seq_lens: np.ndarray, num_pad: int,
-                      pad_to_blocks_per_seq: int | None) -> np.ndarray:
+                      pad_to_blocks_per_seq: int | None, table_rows: BlockTableRows | None) -> np.ndarray:
         # [num_seqs, width] int32, rows zero-padded; only the blocks a sequence needs are listed. A padded
         # sequence's row is all block 0, but it must be as wide as its length needs (the kernels read it).
         blocks = -(-seq_lens // self.block_size)  # [num_seqs] blocks each sequence reads
@@ -173,6 +204,9 @@ class AttentionMetadataBuilder:
                 raise ValueError(f"a sequence needs {width} blocks, more than pad_to_blocks_per_seq="
                                  f"{pad_to_blocks_per_seq}")
             width = pad_to_blocks_per_seq
+        if table_rows is not None:
+            assert table_rows.table.shape[1] == width, "a persistent table has the padded width"
+            return table_rows.fill(seqs, needed, len(seqs) + num_pad)
         table = np.zeros((len(seqs) + num_pad, width), dtype=np.int32)
         for i, (s, n) in enumerate(zip(seqs, needed)):
             table[i, :n] = s.block_ids if len(s.block_ids) == n else s.block_ids[:n]

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from attention.base import AttentionMetadata
-from attention.metadata import AttentionMetadataBuilder, SeqSpec
+from attention.metadata import AttentionMetadataBuilder, BlockTableRows, SeqSpec
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,9 @@ class CudaGraphSteps:
         self.i32 = PackedBuffers({"seq_lens": s, "context_lens": s, "query_start_loc": s + 1,
                                   "seq_start_loc": s + 1, "block_tables": s * max_blocks_per_seq},
                                  torch.int32, device)
+        # One persistent block table per host twin: a step rewrites only the rows that changed.
+        self.table_rows = [BlockTableRows(buf[self.i32.slices["block_tables"]].reshape(s, max_blocks_per_seq))
+                           for buf in (b.numpy() for b in self.i32.host_bufs)]
         self.prev_tokens = torch.zeros(max(max_prev_rows, 1), dtype=torch.int64, device=device)
         self._write_padding_batch()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -175,16 +178,16 @@ class CudaGraphSteps:
                size: int) -> None:
         """Write a step's inputs into the next host twins and queue their copies."""
         n = len(input_ids)
+        h64, h32 = self.i64.host(), self.i32.host()  # waits until the twin's last copy is done
         meta = self.builder.build_host(seqs, pad_to_num_tokens=size, pad_to_num_seqs=self._num_seqs(size),
-                                       pad_to_blocks_per_seq=self.max_blocks_per_seq)
-        h64, h32 = self.i64.host(), self.i32.host()
+                                       pad_to_blocks_per_seq=self.max_blocks_per_seq,
+                                       table_rows=self.table_rows[self.i32.turn])
         for name, values in (("input_ids", input_ids), ("positions", positions), ("prev_rows", prev_rows)):
             h64[name][:n] = values
             h64[name][n:size] = -1 if name == "prev_rows" else 0
         h64["slot_mapping"][:size] = meta.slot_mapping
         for name in ("seq_lens", "context_lens", "query_start_loc", "seq_start_loc"):
             h32[name][:len(getattr(meta, name))] = getattr(meta, name)
-        h32["block_tables"][:meta.block_tables.size] = meta.block_tables.ravel()
         self.i64.upload()
         self.i32.upload()
 

@@ -102,3 +102,51 @@ def test_builder_is_a_pure_function():
 def test_rejects_bad_batches(seqs, kwargs, match):
     with pytest.raises(ValueError, match=match):
         AttentionMetadataBuilder(BS, "cpu").build(seqs, **kwargs)
+
+
+def test_persistent_block_table_rows_equal_fresh_tables():
+    """BlockTableRows (a CUDA graph's staging table, kept across steps) against a fresh table every step,
+    over random steps: sequences grow and gain blocks, finish (their list is replaced, as the KV manager
+    does), join, are reordered and are preempted; padded rows; batches shrinking and growing."""
+    import random
+
+    import numpy as np
+
+    from attention.metadata import BlockTableRows
+
+    rng = random.Random(5)
+    builder, width, rows = AttentionMetadataBuilder(BS, "cpu"), 12, 10
+    persistent = BlockTableRows(np.zeros((rows, width), np.int32))
+    live: list[list] = []  # [context_len, block_ids]
+    next_block = 0
+
+    def new_blocks(n):
+        nonlocal next_block
+        next_block += n
+        return list(range(next_block - n, next_block))
+
+    for step in range(300):
+        if live and rng.random() < 0.15:
+            live.pop(rng.randrange(len(live)))[1] = []  # finished or preempted: the list is replaced
+        live = [e for e in live if e[0] + 1 < (width - 1) * BS]  # the longest finish
+        while len(live) < rng.randint(1, 8):
+            ctx = rng.randint(0, 30)
+            live.append([ctx, new_blocks(ctx // BS + 1)])
+        if rng.random() < 0.3:
+            rng.shuffle(live)
+        seqs = []
+        for entry in live:  # a decode each: one more token, a new block when the last one is full
+            ctx, ids = entry
+            if (ctx + 1) > len(ids) * BS:
+                ids.extend(new_blocks(1))
+            if rng.random() < 0.2:
+                ids.extend(new_blocks(1))  # a block allocated ahead (more ids than the row lists)
+            seqs.append(SeqSpec(context_len=ctx, query_len=1, block_ids=ids))
+            entry[0] = ctx + 1
+        pad = rng.randint(len(seqs), rows)
+        got = builder.build_host(seqs, pad_to_num_tokens=pad, pad_to_blocks_per_seq=width, table_rows=persistent)
+        want = builder.build_host(seqs, pad_to_num_tokens=pad, pad_to_blocks_per_seq=width)
+        np.testing.assert_array_equal(got.block_tables, want.block_tables, err_msg=f"step {step}")
+        np.testing.assert_array_equal(got.slot_mapping, want.slot_mapping)
+    # Rows past the widest batch are never read; every other entry matched a fresh table each step.
+    assert next_block > 100
