@@ -11,6 +11,7 @@ from attention import explain_backend_choice
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+from engine.malloc import trim_free_memory
 from engine.request import FinishReason, Request, RequestError, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block, profile_step_peak_bytes
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
@@ -258,6 +259,8 @@ class LLMEngine:
         if self._completions or self._idle_checked:
             return
         self._idle_checked = True
+        if self.device.type == "cpu":  # the arena's free pages back to the system (engine/malloc.py)
+            trim_free_memory()
         leaked = self.scheduler.check_idle_invariant()
         if leaked:
             self._idle_violations += 1

@@ -1,27 +1,26 @@
-"""The C allocator's settings for the CPU engine (glibc only; elsewhere nothing changes).
+"""The C allocator and the CPU engine's memory (glibc only; elsewhere nothing changes).
 
-glibc serves a request of M_MMAP_THRESHOLD bytes or more (128 KiB at start) by its own mmap, returned to
-the system on free, but each such free of up to 32 MiB raises the threshold to its size. The packed
-matmuls' warm-up frees buffers of ~30 MiB (the logits of 160+ rows), so afterwards every step's buffers
-are carved from the engine thread's arena, whose freed pieces stay resident: the soak's server grew
-20-50 MB that way (docs/benchmarks.md). A threshold set explicitly stays where it is set.
+glibc serves a request of M_MMAP_THRESHOLD bytes or more by its own mmap, given back on free; each such
+free of up to 32 MiB raises the threshold to that size, and the packed matmuls' warm-up frees ~30 MiB
+buffers, so afterwards a step's buffers are carved from the engine thread's arena. That is what keeps a
+CPU step fast: pinning the threshold at 1 MiB kept every step's logits and activations in fresh mappings
+and cost 2.8 million page faults and half the throughput on `cpu-smollm2` (docs/benchmarks.md). But the
+arena's freed pieces stay resident: a soak's server grew 20-50 MB that way. So the engine gives the
+arena's free pages back whenever it goes idle (and after the warm-up): under load the arena holds what
+the steps reuse; idle, the process is back to what it really holds.
 """
 from __future__ import annotations
 
 import ctypes
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number, from glibc's malloc.h
-# Larger buffers (a step's activations, logits) get their own mapping; smaller ones come from the arena.
-# 1 MiB kept the soak flat; 4 MiB did too but started 40 MB higher; 64 KiB was no lower than 1 MiB.
-MMAP_THRESHOLD_BYTES = 1 << 20
 
-
-def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold at nbytes, so that it no longer rises by itself. Returns whether it
-    was set: False where the C library has no mallopt (or, like musl, ignores it)."""
+def trim_free_memory() -> bool:
+    """Give the allocator's free pages back to the system (malloc_trim(0)). Returns whether it could:
+    False where the C library has no malloc_trim (not glibc)."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, nbytes))
+    malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    malloc_trim(0)
+    return True

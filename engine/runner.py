@@ -8,7 +8,7 @@ import torch
 
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
-from engine.malloc import pin_mmap_threshold
+from engine.malloc import trim_free_memory
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
@@ -139,9 +139,9 @@ class ModelRunner:
         is built (the server does), or the first step under another count builds them all again."""
         if not self.model.is_packed:
             return
-        pin_mmap_threshold()  # else the warm-up's large buffers lift it for good: see engine/malloc.py
         self.model.warm_up_packed(*self._warm_rows)
         self._warm_threads = torch.get_num_threads()
+        trim_free_memory()  # the warm-up's large buffers, freed into the arena (engine/malloc.py)
 
     def _check_warm(self) -> None:
         # A changed thread count would make every matmul shape a primitive-cache miss, built lazily while
