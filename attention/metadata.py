@@ -204,13 +204,10 @@ class AttentionMetadataBuilder:
                 raise ValueError(f"a sequence needs {width} blocks, more than pad_to_blocks_per_seq="
                                  f"{pad_to_blocks_per_seq}")
             width = pad_to_blocks_per_seq
-        if table_rows is not None:
-            assert table_rows.table.shape[1] == width, "a persistent table has the padded width"
-            return table_rows.fill(seqs, needed, len(seqs) + num_pad)
-        table = np.zeros((len(seqs) + num_pad, width), dtype=np.int32)
-        for i, (s, n) in enumerate(zip(seqs, needed)):
-            table[i, :n] = s.block_ids if len(s.block_ids) == n else s.block_ids[:n]
-        return table
+        if table_rows is None:  # a fresh table: a persistent one used once
+            table_rows = BlockTableRows(np.zeros((len(seqs) + num_pad, width), dtype=np.int32))
+        assert table_rows.table.shape[1] == width, "a persistent table has the padded width"
+        return table_rows.fill(seqs, needed, len(seqs) + num_pad)
 
     def _slot_mapping(self, block_tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
                       query_start_loc: np.ndarray) -> np.ndarray:

@@ -274,7 +274,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [n, vocab] in the model dtype: greedy rows need only an argmax; the sampler casts where it computes.
-        if self.packed_logits_weight is not None:
+        if self.is_packed:
             return packed_linear(hidden, self.packed_logits_weight, None)
         return F.linear(hidden, self.logits_weight)
 
