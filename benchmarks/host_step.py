@@ -1,0 +1,133 @@
+"""Host milliseconds per decode step at batch N, on a CPU: the GPU path's Python work without a GPU.
+
+    python benchmarks/host_step.py --batch 256 --runs 5 --sections --out host_step.json
+
+On an H200 a decode step of 256 requests of a small model is host-bound: the device needs ~2.5 ms, and
+the host work of schedule -> prepare inputs -> stage the CUDA-graph inputs -> sample -> update ->
+postprocess must fit in that. This measures that work on any machine: the decode CUDA-graph steps are
+built without capture (their staging buffers feed an eager forward) and that forward is a null model
+(zeros), so what remains is the host's work plus a tiny model's logits and sampling (real CPU compute
+here, kernel launches on a GPU). Prefill steps (a few per run) run the tiny model eagerly.
+
+Each run generates --max-tokens greedy tokens for --batch random prompts through LLM.generate (async
+scheduling, no prefix caching); ms/step is wall time over engine steps, the median of --runs runs (and
+the minimum: a shared machine's noise only ever adds).
+--sections adds one more run with timers around the host sections (the timers cost a little; they
+nest: launch holds prepare_inputs, stage, compute_logits and sample). Prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+import engine.runner as runner_mod  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from server.bench_throughput import build_random_model  # noqa: E402
+
+TINY_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32,
+              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "vocab_size": 512, "max_position_embeddings": 4096, "tie_word_embeddings": True}
+
+
+def build_llm(batch: int, max_model_len: int) -> LLM:
+    """A tiny random model whose decode steps go through CUDA-graph staging with a null forward."""
+    path = build_random_model(TINY_QWEN2, Path(tempfile.mkdtemp()))
+    llm = LLM(str(path), device="cpu", attention_backend="torch", skip_tokenizer_init=True, async_scheduling=True,
+              max_model_len=max_model_len, max_num_batched_tokens=16384, max_num_seqs=batch,
+              enable_prefix_caching=False, num_kv_blocks=max(batch * max_model_len // 16 + 64, 1024))
+    runner = llm.engine.runner
+    runner.decode_graphs = runner.make_graphs(batch, max_model_len, None, capture=False)
+    hidden = TINY_QWEN2["hidden_size"]
+    runner.decode_graphs._forward = lambda size: torch.zeros(size, hidden)  # the null model
+    return llm
+
+
+def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+    """(wall seconds, engine steps) of one generate() of every prompt."""
+    steps = llm.engine._steps
+    start = time.perf_counter()
+    llm.generate(prompts, [params] * len(prompts))
+    return time.perf_counter() - start, llm.engine._steps - steps
+
+
+def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
+    """One run with a timer around each host section: ms per step by section."""
+    engine, runner = llm.engine, llm.engine.runner
+    totals: dict[str, float] = defaultdict(float)
+    targets = [(engine, "step"), (engine.scheduler, "schedule"), (runner, "launch"), (runner_mod, "prepare_inputs"),
+               (runner.decode_graphs, "_stage"), (runner.builder, "build_host"), (runner.model, "compute_logits"),
+               (runner.sampler, "sample_on_device"), (runner, "collect"), (engine, "_postprocess"),
+               (engine.scheduler, "update")]
+    originals = [(obj, name, getattr(obj, name)) for obj, name in targets]
+
+    def timed(fn, name):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return wrapper
+
+    for obj, name, fn in originals:
+        setattr(obj, name, timed(fn, name))
+    try:
+        _, steps = run_once(llm, prompts, params)
+    finally:
+        for obj, name, fn in originals:
+            if obj is runner_mod:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)  # the instance attribute shadowing the class's method
+    return {name: totals[name] * 1e3 / steps for name in sorted(totals, key=totals.get, reverse=True)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=256, help="concurrent requests (max_num_seqs)")
+    p.add_argument("--max-tokens", type=int, default=300, help="tokens generated per request")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(100, 300), help="prompt lengths, min and max")
+    p.add_argument("--runs", type=int, default=3, help="timed runs (the median is reported)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sections", action="store_true", help="also time the host sections (one more run)")
+    p.add_argument("--out", type=Path, help="write the results here as JSON")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    llm = build_llm(args.batch, max_model_len=2048)
+    rnd = random.Random(0)
+    prompts = [[rnd.randint(0, 500) for _ in range(rnd.randint(*args.prompt_len))] for _ in range(args.batch)]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
+                            detokenize=False)
+    run_once(llm, prompts, params)  # warm-up
+    per_step = []
+    for _ in range(args.runs):
+        seconds, steps = run_once(llm, prompts, params)
+        per_step.append(seconds * 1e3 / steps)
+    result = {"batch": args.batch, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "steps_per_run": steps, "ms_per_step_runs": per_step, "ms_per_step": statistics.median(per_step),
+              "ms_per_step_min": min(per_step)}
+    print(f"batch {args.batch}, {steps} steps per run: host {result['ms_per_step']:.3f} ms/step, median of "
+          f"{args.runs} (min {result['ms_per_step_min']:.3f}; runs {', '.join(f'{x:.3f}' for x in per_step)})")
+    if args.sections:
+        result["sections_ms_per_step"] = section_times(llm, prompts, params)
+        for name, ms in result["sections_ms_per_step"].items():
+            print(f"  {name:18s} {ms:7.3f} ms/step")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
