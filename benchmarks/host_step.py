@@ -11,7 +11,8 @@ here, kernel launches on a GPU). Prefill steps (a few per run) run the tiny mode
 
 Each run generates --max-tokens greedy tokens for --batch random prompts through LLM.generate (async
 scheduling, no prefix caching); ms/step is wall time over engine steps, the median of --runs runs (and
-the minimum: a shared machine's noise only ever adds).
+the minimum: a shared machine's noise only ever adds), and the process's CPU time per step (steadier on a
+virtual machine whose CPUs are shared: time stolen by the hypervisor is not counted).
 --sections adds one more run with timers around the host sections (the timers cost a little; they
 nest: launch holds prepare_inputs, stage, compute_logits and sample). Prints a table, writes JSON.
 """
@@ -54,12 +55,12 @@ def build_llm(batch: int, max_model_len: int) -> LLM:
     return llm
 
 
-def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
-    """(wall seconds, engine steps) of one generate() of every prompt."""
+def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, int]:
+    """(wall seconds, process CPU seconds, engine steps) of one generate() of every prompt."""
     steps = llm.engine._steps
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     llm.generate(prompts, [params] * len(prompts))
-    return time.perf_counter() - start, llm.engine._steps - steps
+    return time.perf_counter() - start, time.process_time() - cpu_start, llm.engine._steps - steps
 
 
 def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
@@ -84,7 +85,7 @@ def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
     for obj, name, fn in originals:
         setattr(obj, name, timed(fn, name))
     try:
-        _, steps = run_once(llm, prompts, params)
+        _, _, steps = run_once(llm, prompts, params)
     finally:
         for obj, name, fn in originals:
             if obj is runner_mod:
@@ -111,15 +112,17 @@ def main() -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
                             detokenize=False)
     run_once(llm, prompts, params)  # warm-up
-    per_step = []
+    per_step, cpu_per_step = [], []
     for _ in range(args.runs):
-        seconds, steps = run_once(llm, prompts, params)
+        seconds, cpu_seconds, steps = run_once(llm, prompts, params)
         per_step.append(seconds * 1e3 / steps)
+        cpu_per_step.append(cpu_seconds * 1e3 / steps)
     result = {"batch": args.batch, "max_tokens": args.max_tokens, "temperature": args.temperature,
               "steps_per_run": steps, "ms_per_step_runs": per_step, "ms_per_step": statistics.median(per_step),
-              "ms_per_step_min": min(per_step)}
+              "ms_per_step_min": min(per_step), "cpu_ms_per_step": statistics.median(cpu_per_step)}
     print(f"batch {args.batch}, {steps} steps per run: host {result['ms_per_step']:.3f} ms/step, median of "
-          f"{args.runs} (min {result['ms_per_step_min']:.3f}; runs {', '.join(f'{x:.3f}' for x in per_step)})")
+          f"{args.runs} (min {result['ms_per_step_min']:.3f}; runs {', '.join(f'{x:.3f}' for x in per_step)}); "
+          f"process CPU {result['cpu_ms_per_step']:.3f} ms/step")
     if args.sections:
         result["sections_ms_per_step"] = section_times(llm, prompts, params)
         for name, ms in result["sections_ms_per_step"].items():
