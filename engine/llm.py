@@ -60,11 +60,17 @@ def _apply(result: RequestOutput, delta: StepOutput) -> bool:
     """Fold one delta into its RequestOutput; True when it finished a completion."""
     out = result.outputs[delta.index]
     out.token_ids += delta.new_token_ids
-    out.text += delta.new_text
+    if delta.new_text:
+        out.text += delta.new_text
     if delta.new_logprobs and out.logprobs is not None:
         out.logprobs += delta.new_logprobs
-        out.cumulative_logprob = sum(lp.logprob for lp in out.logprobs)
-    result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+        # Added on to, not summed over every token each step (quadratic): the same additions, in order.
+        total = out.cumulative_logprob or 0
+        for lp in delta.new_logprobs:
+            total += lp.logprob
+        out.cumulative_logprob = total
+    if delta.num_cached_tokens > result.num_cached_tokens:
+        result.num_cached_tokens = delta.num_cached_tokens
     if delta.finish_reason is None:
         return False
     out.finish_reason = delta.finish_reason.value
