@@ -13,6 +13,7 @@ Prints a table per backend and a side-by-side summary; writes JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -118,6 +119,7 @@ def kernel_table(prof, window: tuple[int, int], batch: int, top: int = 12) -> di
 def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workloads: dict, args) -> list[dict]:
     """One engine, each workload warmed up then timed; the first workload also profiled in windows."""
     from engine.llm import LLM
+    from engine.malloc import freeze_startup_objects
 
     if split_keys:  # read at capture: graphs keep the split count they were captured with
         from attention.triton_paged import TritonAttentionImpl
@@ -128,6 +130,7 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
     windows = [tuple(int(x) for x in w.split("-")) for w in args.windows.split(",") if w]
     for i, (name, workload) in enumerate(workloads.items()):
         run_timed(engine, workload)  # warm-up: every graph size and JIT variant the workload meets
+        freeze_startup_objects()  # as the server and bench throughput do (engine/malloc.py)
         timed = run_timed(engine, workload)
         kernels = run_profiled(engine, workload, windows) if windows and i == 0 else []
         results.append({"backend": engine.backend_name, "triton_decode_split_keys": split_keys, "preset": name,
@@ -135,6 +138,8 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
                         "out_tok_per_s": workload.output_tokens / timed["wall_s"], **timed, "kernels": kernels})
         print_result(results[-1])
     del llm, engine
+    gc.unfreeze()  # the next backend's engine needs this one's memory back
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return results

@@ -1,4 +1,5 @@
-"""The C allocator and the CPU engine's memory (glibc only; elsewhere nothing changes).
+"""Process memory: the C allocator's free pages (glibc only; elsewhere nothing changes), and the garbage
+collector's view of what a serving process built at startup.
 
 glibc serves a request of M_MMAP_THRESHOLD bytes or more by its own mmap, given back on free; each such
 free of up to 32 MiB raises the threshold to that size, and the packed matmuls' warm-up frees ~30 MiB
@@ -12,6 +13,7 @@ the steps reuse; idle, the process is back to what it really holds.
 from __future__ import annotations
 
 import ctypes
+import gc
 
 
 def trim_free_memory() -> bool:
@@ -24,3 +26,17 @@ def trim_free_memory() -> bool:
     malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
     malloc_trim(0)
     return True
+
+
+def freeze_startup_objects() -> int:
+    """Collect, then move every object alive now out of the collector's reach (gc.freeze); returns how many.
+
+    A process that built an engine holds ~360k container objects (torch, transformers, the model's
+    modules) that live as long as it does. Every full collection walks them all: ~250 ms on this
+    project's CPU, which lands on one step in a few thousand and stalls every request in the batch
+    (docs/benchmarks.md). Frozen, a full collection walks only what was made since. Only for processes
+    that build one engine and serve with it (the server, benchmarks): a frozen object that later becomes
+    part of a garbage cycle is never freed."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

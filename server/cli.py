@@ -106,10 +106,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_server(engine_config, settings) -> int:
     from engine.engine import LLMEngine
+    from engine.malloc import freeze_startup_objects
     from server.app import create_app
     from server.async_engine import AsyncEngine
 
-    aengine = AsyncEngine(lambda: LLMEngine(engine_config), settings)
+    def build_engine() -> LLMEngine:
+        engine = LLMEngine(engine_config)
+        freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
+        return engine
+
+    aengine = AsyncEngine(build_engine, settings)
     app = create_app(aengine, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
