@@ -122,23 +122,30 @@ class BlockTableRows:
 
     def __init__(self, table: np.ndarray) -> None:
         self.table = table  # [max_rows, width] int32, all 0 at start
-        self._rows: list[tuple[Sequence[int] | None, int]] = [(None, 0)] * table.shape[0]
+        self._held: list[Sequence[int] | None] = [None] * table.shape[0]  # per row: the list it was written from
+        self._counts = [0] * table.shape[0]  # per row: how many ids it holds
 
     def fill(self, seqs: Sequence[SeqSpec], needed: list[int], num_rows: int) -> np.ndarray:
         """Rows 0..num_rows-1: sequence i's first needed[i] block ids, then padding rows (all 0).
         Returns the [num_rows, width] view."""
-        for i in range(num_rows):
-            ids, n = (seqs[i].block_ids, needed[i]) if i < len(seqs) else (None, 0)
-            held, m = self._rows[i]
-            if held is ids and ids is not None:  # the same list: only appended to since (SeqSpec)
+        table, held, counts = self.table, self._held, self._counts
+        for i, (seq, n) in enumerate(zip(seqs, needed)):
+            ids, m = seq.block_ids, counts[i]
+            if held[i] is ids:  # the same list: only appended to since (SeqSpec)
+                if n == m:
+                    continue  # most rows of a decode step: nothing to write
                 if n > m:
-                    self.table[i, m:n] = ids[m:n]
+                    table[i, m:n] = ids[m:n]
             elif n:
-                self.table[i, :n] = ids[:n] if len(ids) != n else ids
+                table[i, :n] = ids[:n] if len(ids) != n else ids
             if m > n:
-                self.table[i, n:m] = 0
-            self._rows[i] = (ids, n)
-        return self.table[:num_rows]
+                table[i, n:m] = 0
+            held[i], counts[i] = ids, n
+        for i in range(len(seqs), num_rows):  # padding rows: all 0
+            if counts[i]:
+                table[i, :counts[i]] = 0
+            held[i], counts[i] = None, 0
+        return table[:num_rows]
 
 
 class AttentionMetadataBuilder:

@@ -21,6 +21,7 @@ to check everything here but the capture itself.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from itertools import accumulate
 
 import numpy as np
@@ -61,6 +62,8 @@ class PackedBuffers:
         self.on_cuda = device.type == "cuda"
         self.host_bufs = [torch.zeros(total, dtype=dtype, pin_memory=self.on_cuda) for _ in range(2)]
         self.fences = [torch.cuda.Event() if self.on_cuda else None for _ in range(2)]
+        # Each twin's fields as numpy views, made once: host() is called every step.
+        self.host_views = [{name: buf.numpy()[s] for name, s in self.slices.items()} for buf in self.host_bufs]
         self.turn = 0
 
     def device(self, name: str) -> torch.Tensor:
@@ -71,8 +74,7 @@ class PackedBuffers:
         self.turn ^= 1
         if self.fences[self.turn] is not None:
             self.fences[self.turn].synchronize()
-        buf = self.host_bufs[self.turn].numpy()
-        return {name: buf[s] for name, s in self.slices.items()}
+        return self.host_views[self.turn]
 
     def upload(self) -> None:
         """Copy the twin last returned by host() to the device (queued; the host does not wait)."""
@@ -165,14 +167,18 @@ class CudaGraphSteps:
         return pool
 
     def padded_size(self, num_tokens: int) -> int | None:
-        return next((s for s in self.sizes if s >= num_tokens), None)
+        i = bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
 
     def can_run(self, seqs: list[SeqSpec], num_tokens: int, num_prev_rows: int) -> bool:
         if self.padded_size(num_tokens) is None or num_prev_rows > self.prev_tokens.shape[0]:
             return False
         if self.mixed and len(seqs) > self.max_num_seqs:  # one sequence slot is kept for the padding prompt
             return False
-        return all((self.mixed or s.query_len == 1) and len(s.block_ids) <= self.max_blocks_per_seq for s in seqs)
+        # Every query_len is >= 1, so a batch of as many tokens as sequences is all decodes.
+        if not self.mixed and num_tokens != len(seqs):
+            return False
+        return max([len(s.block_ids) for s in seqs], default=0) <= self.max_blocks_per_seq
 
     def _stage(self, seqs: list[SeqSpec], input_ids: list[int], positions: list[int], prev_rows: list[int],
                size: int) -> None:

@@ -166,6 +166,13 @@ class Request:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
+    def token_at(self, pos: int) -> int | None:
+        """all_token_ids[pos], or None when pos is the token still being sampled (async scheduling)."""
+        out_pos = pos - len(self.prompt_token_ids)
+        if out_pos < 0:
+            return self.prompt_token_ids[pos]
+        return self.output_token_ids[out_pos] if out_pos < len(self.output_token_ids) else None
+
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens

@@ -54,18 +54,25 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 def prepare_inputs(out: SchedulerOutput) -> StepInputs:
     """Flatten the scheduled requests into one batch, prefills first (the scheduler already ordered them)."""
     inputs = StepInputs([], [], [], [], [], [])
-    for sr in out.scheduled:
-        req = sr.request
-        start, end = sr.num_computed_tokens, sr.num_computed_tokens + sr.num_new_tokens
-        known = req.token_ids_between(start, end)
-        if len(known) < end - start:  # the last input was sampled by the step still in flight
-            inputs.pending.append((len(inputs.input_ids) + end - start - 1, req.request_id))
-            known.append(0)
-        inputs.input_ids += known
-        inputs.positions += range(start, end)
-        inputs.seqs.append(SeqSpec(context_len=start, query_len=sr.num_new_tokens, block_ids=req.block_ids))
+    input_ids, positions, seqs, pending = inputs.input_ids, inputs.positions, inputs.seqs, inputs.pending
+    for sr in out.scheduled:  # every running request, every step: list methods and lookups bound above
+        req, start, num_new = sr.request, sr.num_computed_tokens, sr.num_new_tokens
+        if num_new == 1:  # a decode, most rows: one token, no slice
+            token = req.token_at(start)
+            if token is None:  # sampled by the step still in flight
+                pending.append((len(input_ids), req.request_id))
+            input_ids.append(token or 0)
+            positions.append(start)
+        else:
+            known = req.token_ids_between(start, start + num_new)
+            if len(known) < num_new:  # the last input was sampled by the step still in flight
+                pending.append((len(input_ids) + num_new - 1, req.request_id))
+                known.append(0)
+            input_ids += known
+            positions += range(start, start + num_new)
+        seqs.append(SeqSpec(start, num_new, req.block_ids))
         if sr.samples:
-            inputs.sample_indices.append(len(inputs.input_ids) - 1)
+            inputs.sample_indices.append(len(input_ids) - 1)
             inputs.sample_requests.append(req)
     return inputs
 
@@ -214,8 +221,10 @@ class ModelRunner:
 
     def _run_graph(self, graphs: CudaGraphSteps, inputs: StepInputs) -> torch.Tensor:
         prev_rows = [-1] * len(inputs.input_ids)  # per token: its row in the previous step's sampled tokens
-        for (i, _), row in zip(inputs.pending, self._pending_rows(inputs.pending)):
-            prev_rows[i] = row
+        if inputs.pending:
+            row_of = dict(zip(self._last.request_ids, range(len(self._last.request_ids))))
+            for i, rid in inputs.pending:
+                prev_rows[i] = row_of[rid]
         return graphs.run(inputs.seqs, inputs.input_ids, inputs.positions, prev_rows,
                           self._last.tokens if inputs.pending else None)  # [num_tokens, hidden]
 
@@ -223,7 +232,7 @@ class ModelRunner:
         """For each pending input, its row in the previous step's sampled tokens (`self._last.tokens`)."""
         if not pending:
             return []
-        row_of = {rid: i for i, rid in enumerate(self._last.request_ids)}
+        row_of = dict(zip(self._last.request_ids, range(len(self._last.request_ids))))
         return [row_of[rid] for _, rid in pending]
 
     def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]]) -> None:

@@ -187,3 +187,31 @@ def test_cpu_packed_weights_give_the_same_greedy_tokens(tiny_model_dir):
         assert (llm.engine.runner.model.packed_logits_weight is not None) == packed
         outs[packed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_prepare_inputs_one_token_rows_equal_the_general_path():
+    """prepare_inputs' one-token rows (a token of the prompt, of the output, or still in flight) against the
+    general path's slice of the request's tokens."""
+    from engine.request import Request
+    from engine.runner import prepare_inputs
+    from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    def general(out):  # the plain loop the one-token rows are a fast path of
+        ids, positions, pending = [], [], []
+        for sr in out.scheduled:
+            start, end = sr.num_computed_tokens, sr.num_computed_tokens + sr.num_new_tokens
+            known = sr.request.token_ids_between(start, end)
+            if len(known) < end - start:
+                pending.append((len(ids) + end - start - 1, sr.request.request_id))
+                known.append(0)
+            ids += known
+            positions += range(start, end)
+        return ids, positions, pending
+
+    req = Request("r", [7, 8, 9], SamplingParams(max_tokens=8), output_token_ids=[0, 11])
+    rows = [(0, 2, False), (2, 1, True), (3, 1, True), (4, 1, True), (5, 1, True), (3, 3, True)]
+    out = SchedulerOutput([ScheduledRequest(req, start, n, samples) for start, n, samples in rows], 9)
+    inputs = prepare_inputs(out)
+    assert (inputs.input_ids, inputs.positions, inputs.pending) == general(out)
+    assert [(s.context_len, s.query_len) for s in inputs.seqs] == [(start, n) for start, n, _ in rows]
+    assert inputs.sample_indices == [2, 3, 4, 5, 8]
