@@ -26,14 +26,10 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
 from engine.kv_manager import KVCacheManager, cdiv
-from engine.request import FinishReason, Request, RequestError, RequestStatus
+from engine.request import RUNNING, FinishReason, Request, RequestError, RequestStatus
 
 
-def _num_tokens_to_compute(request: Request) -> int:
-    return request.num_tokens + request.num_pending_tokens - request.num_computed_tokens
-
-
-@dataclass
+@dataclass(slots=True)  # one per running request per step
 class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # context_len: tokens already in the KV cache before this step
@@ -123,7 +119,7 @@ class Scheduler:
             self._finish(request, reason, stop_reason)
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        if request.status == RequestStatus.RUNNING:
+        if request.status is RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
@@ -149,15 +145,20 @@ class Scheduler:
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted, finished)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest], preempted: list[str]) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(_num_tokens_to_compute(request), budget)
-            if num_new > 0 and not self._will_finish(request):
+        running, i = self.running, 0
+        while i < len(running) and budget > 0:  # every running request, every step: kept to plain reads
+            request = running[i]
+            pending = request.num_pending_tokens
+            end = len(request.prompt_token_ids) + len(request.output_token_ids) + pending  # pending included
+            start = request.num_computed_tokens
+            num_new = min(end - start, budget)
+            if num_new > 0 and not (pending and self._will_finish(request, end)):
                 if not self._allocate_or_preempt(request, num_new, preempted):
                     break  # it preempted itself: it was the last one
-                scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new))
-                request.num_computed_tokens += num_new
+                samples = start + num_new == end
+                request.num_pending_tokens = pending + samples
+                request.num_computed_tokens = start + num_new
+                scheduled.append(ScheduledRequest(request, start, num_new, samples))
                 budget -= num_new
             i += 1
         return budget
@@ -168,14 +169,14 @@ class Scheduler:
         request.num_pending_tokens += samples
         return ScheduledRequest(request, num_computed, num_new, samples)
 
-    def _will_finish(self, request: Request) -> bool:
-        """A pending token that is certain to end the request by length: nothing more to compute for it."""
+    def _will_finish(self, request: Request, end: int) -> bool:
+        """A pending token that is certain to end the request by length: nothing more to compute for it.
+        `end`: the request's token count, pending ones included."""
         if not request.num_pending_tokens:
             return False
         max_tokens = request.sampling_params.max_tokens
-        num_out = len(request.output_token_ids) + request.num_pending_tokens
-        return (max_tokens is not None and num_out >= max_tokens) or (
-            request.num_tokens + request.num_pending_tokens >= self.max_seq_len)
+        num_out = end - len(request.prompt_token_ids)
+        return (max_tokens is not None and num_out >= max_tokens) or end >= self.max_seq_len
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
         # Victims come from the end of `running`, after `request`: none was scheduled yet in this step.
@@ -197,6 +198,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return budget  # no one to admit, or no room: most decode steps, spared building step_tokens
         step_tokens = {sr.request.request_id: sr.num_new_tokens for sr in scheduled}
         skipped: list[Request] = []  # waiting on a sibling's prompt: they keep their place in line
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -245,17 +248,20 @@ class Scheduler:
         """After the step ran: register newly full blocks, append sampled tokens, finish what stops.
         Returns the requests that got a token (finished ones included), in scheduled order."""
         got_token = []
+        requests, caching = self.requests, self.enable_prefix_caching
         for sr in out.scheduled:
             request = sr.request
-            if self.requests.get(request.request_id) is not request:
+            if requests.get(request.request_id) is not request:
                 continue  # finished (aborted) since it was scheduled
+            token = None
             if sr.samples:
                 request.num_pending_tokens -= 1
-                if request.request_id in sampled:
-                    request.output_token_ids.append(sampled[request.request_id])
-            if request.status == RequestStatus.RUNNING:  # not preempted since: its blocks are still its own
+                token = sampled.get(request.request_id)
+                if token is not None:
+                    request.output_token_ids.append(token)
+            if caching and request.status is RUNNING:  # not preempted since: its blocks are still its own
                 self.kv.cache_full_blocks(request, sr.num_computed_tokens + sr.num_new_tokens)
-            if not sr.samples or request.request_id not in sampled:
+            if token is None:
                 continue
             stop = self._stop_condition(request)
             if stop is not None:
@@ -265,15 +271,16 @@ class Scheduler:
 
     def _stop_condition(self, request: Request) -> tuple[FinishReason, int | None] | None:
         params = request.sampling_params
-        token = request.output_token_ids[-1]
         num_out = len(request.output_token_ids)
         # min_tokens: that many tokens come before any EOS / stop token (the sampler masks them too).
         if num_out > params.min_tokens:
-            if token in request.eos_token_ids and not params.ignore_eos:
+            token = request.output_token_ids[-1]
+            if not params.ignore_eos and token in request.eos_token_ids:
                 return FinishReason.STOP, None
             if token in params.stop_token_ids:
                 return FinishReason.STOP, token
-        if (params.max_tokens is not None and num_out >= params.max_tokens) or request.num_tokens >= self.max_seq_len:
+        if (params.max_tokens is not None and num_out >= params.max_tokens) or (
+                len(request.prompt_token_ids) + num_out >= self.max_seq_len):
             return FinishReason.LENGTH, None
         return None
 
