@@ -48,8 +48,9 @@ class Sampler:
         # Logits stay in the model dtype until a stage computes with them: an all-greedy batch is one argmax
         # over bfloat16 (the same token as over its exact float32 copy), not a cast of [n, vocab] first.
         logits = process_logits(logits, requests)
-        tokens = self._choose(logits, requests)  # [n] int64 on the logits' device
-        if all(r.sampling_params.logprobs is None for r in requests):
+        params = [r.sampling_params for r in requests]
+        tokens = self._choose(logits, requests, params)  # [n] int64 on the logits' device
+        if all([p.logprobs is None for p in params]):
             return tokens, None
         return tokens, torch.log_softmax(logits.float(), dim=-1)  # before temperature / truncation
 
@@ -59,9 +60,8 @@ class Sampler:
             return SamplerOutput(tokens.tolist(), [None] * len(params))
         return SamplerOutput(*gather_logprobs(token_lp, tokens, params))
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    def _choose(self, logits: torch.Tensor, requests: list[Request], params: list[SamplingParams]) -> torch.Tensor:
+        random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]  # not greedy (no property call)
         if not random_rows:
             return logits.argmax(dim=-1)
         if len(random_rows) == len(params):
@@ -114,6 +114,10 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
 def process_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logit_bias, min_tokens, penalties. Returns `logits` itself when nothing applies, else a float32 copy."""
     params = [r.sampling_params for r in requests]
+    # One pass first: most batches have no bias, min_tokens or penalty at all (a row with min_tokens 0
+    # never needs the min_tokens mask).
+    if not any([p.logit_bias or p.min_tokens or _has_penalty(p) for p in params]):
+        return logits
     bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
     min_rows = [i for i, r in enumerate(requests) if len(r.output_token_ids) < r.sampling_params.min_tokens]
     pen_rows = [i for i, p in enumerate(params) if _has_penalty(p)]
