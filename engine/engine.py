@@ -219,9 +219,10 @@ class LLMEngine:
             token = req.output_token_ids[-1]
             text = self._detokenize(req, comp.detok, token) if comp.detok else ""
             lp = logprobs.get(req.request_id) if logprobs else None
-            outputs.append(StepOutput(comp.parent_id, comp.index, [token], text, [lp] if lp else None,  # positional:
-                                      req.finish_reason, req.stop_reason, None,  # error None; keywords cost
-                                      len(req.prompt_token_ids), req.num_cached_tokens))  # ~0.1 us apiece
+            # Positional, error=None: keyword arguments cost ~0.1 us apiece, ~256 times a step.
+            outputs.append(StepOutput(comp.parent_id, comp.index, [token], text, [lp] if lp else None,
+                                      req.finish_reason, req.stop_reason, None, len(req.prompt_token_ids),
+                                      req.num_cached_tokens))
             if req.status is FINISHED:
                 self._forget(req.request_id)
         self._generation_tokens += len(outputs)

@@ -61,7 +61,8 @@ def prepare_inputs(out: SchedulerOutput) -> StepInputs:
             token = req.token_at(start)
             if token is None:  # sampled by the step still in flight
                 pending.append((len(input_ids), req.request_id))
-            input_ids.append(token or 0)
+                token = 0
+            input_ids.append(token)
             positions.append(start)
         else:
             known = req.token_ids_between(start, start + num_new)
@@ -221,10 +222,8 @@ class ModelRunner:
 
     def _run_graph(self, graphs: CudaGraphSteps, inputs: StepInputs) -> torch.Tensor:
         prev_rows = [-1] * len(inputs.input_ids)  # per token: its row in the previous step's sampled tokens
-        if inputs.pending:
-            row_of = dict(zip(self._last.request_ids, range(len(self._last.request_ids))))
-            for i, rid in inputs.pending:
-                prev_rows[i] = row_of[rid]
+        for (i, _), row in zip(inputs.pending, self._pending_rows(inputs.pending)):
+            prev_rows[i] = row
         return graphs.run(inputs.seqs, inputs.input_ids, inputs.positions, prev_rows,
                           self._last.tokens if inputs.pending else None)  # [num_tokens, hidden]
 
