@@ -13,6 +13,8 @@ Each run generates --max-tokens greedy tokens for --batch random prompts through
 scheduling, no prefix caching); ms/step is wall time over engine steps, the median of --runs runs (and
 the minimum: a shared machine's noise only ever adds), and the process's CPU time per step (steadier on a
 virtual machine whose CPUs are shared: time stolen by the hypervisor is not counted).
+--decode-only times only --max-tokens steps in which every request decodes (the prefills before them
+untimed): the large-batch decode step alone, as on the GPU's busiest steps.
 --sections adds one more run with timers around the host sections (the timers cost a little; they
 nest: launch holds prepare_inputs, stage, compute_logits and sample). Prints a table, writes JSON.
 """
@@ -63,6 +65,30 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tupl
     return time.perf_counter() - start, time.process_time() - cpu_start, llm.engine._steps - steps
 
 
+def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, num_steps: int
+                    ) -> tuple[float, float, int]:
+    """(wall seconds, process CPU seconds, steps) of num_steps engine steps in which every request decodes:
+    the prompts are prefilled first, untimed, and every request asks for more tokens than the timed steps."""
+    engine = llm.engine
+    long = SamplingParams(temperature=params.temperature, max_tokens=num_steps + 16, ignore_eos=True,
+                          detokenize=False)
+    base = engine._steps
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"decode-only-{base}-{i}", prompt, long)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    engine.step()  # the step that decodes every request's first sampled token
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(num_steps):
+        engine.step()
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    for i in range(len(prompts)):
+        engine.abort_request(f"decode-only-{base}-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seconds, cpu_seconds, num_steps
+
+
 def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
     """One run with a timer around each host section: ms per step by section."""
     engine, runner = llm.engine, llm.engine.runner
@@ -103,6 +129,8 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="timed runs (the median is reported)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--sections", action="store_true", help="also time the host sections (one more run)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="time only --max-tokens steps in which every request decodes (prefills untimed)")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -114,10 +142,12 @@ def main() -> int:
     run_once(llm, prompts, params)  # warm-up
     per_step, cpu_per_step = [], []
     for _ in range(args.runs):
-        seconds, cpu_seconds, steps = run_once(llm, prompts, params)
+        seconds, cpu_seconds, steps = (run_decode_only(llm, prompts, params, args.max_tokens) if args.decode_only
+                                       else run_once(llm, prompts, params))
         per_step.append(seconds * 1e3 / steps)
         cpu_per_step.append(cpu_seconds * 1e3 / steps)
     result = {"batch": args.batch, "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "decode_only": args.decode_only,
               "steps_per_run": steps, "ms_per_step_runs": per_step, "ms_per_step": statistics.median(per_step),
               "ms_per_step_min": min(per_step), "cpu_ms_per_step": statistics.median(cpu_per_step)}
     print(f"batch {args.batch}, {steps} steps per run: host {result['ms_per_step']:.3f} ms/step, median of "
