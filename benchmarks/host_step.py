@@ -75,7 +75,8 @@ def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     base = engine._steps
     for i, prompt in enumerate(prompts):
         engine.add_request(f"decode-only-{base}-{i}", prompt, long)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         engine.step()
     engine.step()  # the step that decodes every request's first sampled token
     start, cpu_start = time.perf_counter(), time.process_time()
