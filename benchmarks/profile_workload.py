@@ -13,7 +13,6 @@ Prints a table per backend and a side-by-side summary; writes JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -25,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from server.bench_throughput import build_random_model, parse_model_config, workload_wa, workload_wb  # noqa: E402
+from server.bench_throughput import (build_random_model, free_device_memory, parse_model_config,  # noqa: E402
+                                     workload_wa, workload_wb)
 
 WORKLOADS = {"wa": workload_wa, "wb": workload_wb}
 DECODE_GROUPS = ((193, 256), (129, 192), (65, 128), (17, 64), (1, 16))
@@ -138,10 +138,7 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
                         "out_tok_per_s": workload.output_tokens / timed["wall_s"], **timed, "kernels": kernels})
         print_result(results[-1])
     del llm, engine
-    gc.unfreeze()  # the next backend's engine needs this one's memory back
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_device_memory()  # unfrozen and collected: the next backend's engine needs this one's memory back
     return results
 
 

@@ -155,25 +155,23 @@ class Scheduler:
             if num_new > 0 and not (pending and self._will_finish(request, end)):
                 if not self._allocate_or_preempt(request, num_new, preempted):
                     break  # it preempted itself: it was the last one
-                samples = start + num_new == end
-                request.num_pending_tokens = pending + samples
-                request.num_computed_tokens = start + num_new
-                scheduled.append(ScheduledRequest(request, start, num_new, samples))
+                scheduled.append(self._scheduled(request, start, num_new, end))
                 budget -= num_new
             i += 1
         return budget
 
     @staticmethod
-    def _scheduled(request: Request, num_computed: int, num_new: int) -> ScheduledRequest:
-        samples = num_computed + num_new == request.num_tokens + request.num_pending_tokens
+    def _scheduled(request: Request, num_computed: int, num_new: int, end: int) -> ScheduledRequest:
+        """Advance the request by num_new tokens from num_computed. `end`: its token count, pending ones
+        included; reaching it samples a new token, pending until update() reads it."""
+        samples = num_computed + num_new == end
         request.num_pending_tokens += samples
+        request.num_computed_tokens = num_computed + num_new
         return ScheduledRequest(request, num_computed, num_new, samples)
 
     def _will_finish(self, request: Request, end: int) -> bool:
         """A pending token that is certain to end the request by length: nothing more to compute for it.
-        `end`: the request's token count, pending ones included."""
-        if not request.num_pending_tokens:
-            return False
+        `end`: the request's token count, pending ones included. Called only with a token pending."""
         max_tokens = request.sampling_params.max_tokens
         num_out = end - len(request.prompt_token_ids)
         return (max_tokens is not None and num_out >= max_tokens) or end >= self.max_seq_len
@@ -239,9 +237,8 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
             request.num_cached_tokens = num_hit
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit + num_new
         self.running.append(request)
-        return self._scheduled(request, num_hit, num_new)
+        return self._scheduled(request, num_hit, num_new, request.num_tokens + request.num_pending_tokens)
 
     # ---- update ---------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

@@ -192,7 +192,7 @@ def engine_options(args: argparse.Namespace, backend: str | None) -> dict:
     return opts
 
 
-def _free_device_memory() -> None:
+def free_device_memory() -> None:
     import torch
 
     gc.unfreeze()  # what a contender froze (freeze_startup_objects) can be collected again
@@ -251,7 +251,7 @@ def kvserve_contender(model_path: Path, opts: dict, w: Workload, warmup: bool) -
     def close() -> None:
         nonlocal llm
         llm = None
-        _free_device_memory()
+        free_device_memory()
 
     return Contender(name, lambda: sum(len(o.outputs[0].token_ids) for o in llm.generate(w.prompts, params)), close)
 
@@ -354,7 +354,7 @@ def hf_contenders(model_path: Path, w: Workload, methods: list[str], args, dtype
         except Exception as e:  # noqa: BLE001 - one failing comparison must not lose the others' figures
             print(f"bench throughput: transformers {method} failed: {type(e).__name__}: {e}", file=sys.stderr)
     if contenders:
-        contenders[-1].close = _free_device_memory
+        contenders[-1].close = free_device_memory
     return contenders
 
 
@@ -510,7 +510,7 @@ def run_all(args, model_path: Path, w: Workload, methods: list[str]) -> list[Mea
             contenders = prepare()
         except Exception:  # noqa: BLE001 - one failing system must not lose the others' figures
             print(f"bench throughput: {label} failed:\n{traceback.format_exc()}", file=sys.stderr)
-            _free_device_memory()
+            free_device_memory()
             continue
         if args.interleave:
             loaded += contenders

@@ -46,14 +46,14 @@ def test_the_benchmark_frees_a_frozen_contender():
     # for the next backend in the same run.
     out = run_python("""
 from engine.malloc import freeze_startup_objects
-from server.bench_throughput import _free_device_memory
+from server.bench_throughput import free_device_memory
 contender = cycle()
 ref = weakref.ref(contender)
 freeze_startup_objects()
 del contender
 gc.collect()
 print(ref() is not None)                 # frozen: a plain collection leaves it
-_free_device_memory()
+free_device_memory()
 print(ref() is None, gc.get_freeze_count() == 0)
 """)
     assert out.split() == ["True", "True", "True"]
