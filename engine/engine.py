@@ -1,5 +1,5 @@
 """LLMEngine: one step = schedule() -> runner.launch() -> collect() -> postprocess(). Single-threaded by design:
-the server drives it from its own engine thread."""
+the server drives it from the engine-core process (engine/core/), offline LLM.generate from the caller's thread."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from engine.malloc import trim_free_memory
-from engine.request import FINISHED, FinishReason, Request, RequestError, SamplingParams, StepOutput
+from engine.request import (FINISHED, FinishReason, Request, RequestError, SamplingParams, StepOutput,
+                            completion_id)
 from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block, profile_step_peak_bytes
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 
@@ -81,9 +82,10 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # unseeded requests draw from the default generators
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        path = resolve_model_path(config.model)
+        path = self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(path)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or path)
+        self.tokenizer_path = None if config.skip_tokenizer_init else str(config.tokenizer or path)
+        self.tokenizer = None if self.tokenizer_path is None else load_tokenizer(self.tokenizer_path)
         self.eos_token_ids = eos_ids(self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size
         self.max_model_len = min(config.max_model_len or self.hf_config.max_position_embeddings,
@@ -156,7 +158,7 @@ class LLMEngine:
 
     def _make_child(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _Child:
         child_params = params.for_child(index) if params.n > 1 else params
-        child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+        child_id = completion_id(request_id, index, params.n)
         # Siblings wait for completion 0's prompt so they share its blocks through the prefix cache.
         wait = f"{request_id}#0" if index > 0 and self.config.enable_prefix_caching else None
         req = Request(child_id, list(prompt), child_params, self.eos_token_ids, wait_for_prefill_of=wait)
@@ -166,7 +168,9 @@ class LLMEngine:
         return _Child(req, _Completion(request_id, index, detok, needs_history(child_params)))
 
     def abort_request(self, request_id: str) -> None:
-        for child_id in self._children.get(request_id, []):
+        """Abort every completion of `request_id`, or the one completion whose id (completion_id) it is."""
+        child_ids = self._children.get(request_id) or ([request_id] if request_id in self._completions else [])
+        for child_id in child_ids:
             if child_id in self._completions:
                 self.scheduler.finish_request(child_id, FinishReason.ABORT)
                 self._pending.append(self._final_output(child_id, FinishReason.ABORT))

@@ -182,6 +182,11 @@ class Request:
         return self.status is FINISHED
 
 
+def completion_id(request_id: str, index: int, n: int) -> str:
+    """The engine's id of completion `index` of a request with `n` completions."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

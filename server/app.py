@@ -1,4 +1,4 @@
-"""create_app(async_engine, settings): the FastAPI app, its routes, errors, auth, limits and metrics.
+"""create_app(client, settings): the FastAPI app, its routes, errors, auth, limits and metrics.
 
 Bodies are parsed here, not by FastAPI: strict UTF-8, strict JSON (no NaN / Infinity), an object at the
 top, then a strict pydantic model. The OpenAPI schema still declares each body and every error response.
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from server import __version__
-from server.async_engine import AsyncEngine
+from server.engine_client import EngineClient, own_copy
 from server.errors import APIError, from_validation_errors, install_handlers
 from server.metrics import CONTENT_TYPE
 from server.middleware import APIKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
@@ -53,14 +53,14 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def create_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="kvserve", version=__version__, lifespan=_lifespan(async_engine, settings),
+def create_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="kvserve", version=__version__, lifespan=_lifespan(client, settings),
                   docs_url="/docs", redoc_url=None)
-    app.state.engine = async_engine
+    app.state.engine = client
     app.state.settings = settings
     app.state.ctx = None  # ServingContext, built once the model is loaded
     install_handlers(app)
-    _add_routes(app, async_engine)
+    _add_routes(app, client)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -71,16 +71,16 @@ def create_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _lifespan(async_engine: AsyncEngine, settings: ServerSettings):
+def _lifespan(client: EngineClient, settings: ServerSettings):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
         app.state.executor = executor
-        async_engine.start()
+        await client.start()
         try:
             yield
         finally:
-            await async_engine.stop(timeout=max(settings.shutdown_timeout, 5.0))
+            await client.stop()
             executor.shutdown(wait=True, cancel_futures=True)
 
     return lifespan
@@ -90,17 +90,17 @@ def serving_context(app: FastAPI) -> serving.ServingContext:
     """Built on first use after loading: the tokenizer and model limits come from the engine."""
     if app.state.ctx is not None:
         return app.state.ctx
-    aengine: AsyncEngine = app.state.engine
-    if aengine.engine is None:
+    aengine: EngineClient = app.state.engine
+    if aengine.info is None:
         raise APIError(503, "the model is still loading", "not_ready",
                        headers={"Retry-After": str(app.state.settings.retry_after)})
-    s, eng = app.state.settings, aengine.engine
+    s, eng = app.state.settings, aengine.info
     limits = P.Limits(vocab_size=eng.vocab_size, max_n=s.max_n, max_logprobs=s.max_logprobs,
                       max_stop_sequences=s.max_stop_sequences, max_stop_length=s.max_stop_length,
                       max_tokens_cap=s.max_tokens_cap)
     max_prompt = min(s.max_prompt_tokens or eng.max_model_len, eng.max_model_len)
-    app.state.ctx = serving.ServingContext(aengine, aengine.tokenizer, model_name(eng.config.model, s), limits, max_prompt,
-                                           app.state.executor, s.log_requests)
+    app.state.ctx = serving.ServingContext(aengine, own_copy(aengine.tokenizer), model_name(aengine.model, s), limits,
+                                           max_prompt, app.state.executor, s.log_requests)
     return app.state.ctx
 
 
@@ -189,19 +189,19 @@ async def unless_disconnected(request: Request, coro):
     return None
 
 
-def _add_routes(app: FastAPI, aengine: AsyncEngine) -> None:
+def _add_routes(app: FastAPI, aengine: EngineClient) -> None:
     _add_openai_routes(app, aengine)
     _add_tokenizer_routes(app)
     _add_ops_routes(app, aengine)
 
 
-def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
+def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
     @app.post("/v1/completions", responses={200: {"model": P.CompletionResponse, "content": _SSE}, **_ERRORS},
               openapi_extra=_body_schema(P.CompletionRequest))
     async def completions(request: Request):
         ctx = serving_context(app)
         req = parse_model(P.CompletionRequest, await read_json(request))
-        check_model(ctx, req.model, aengine.engine.config.model)
+        check_model(ctx, req.model, aengine.model)
         params = P.completion_params(req, ctx.limits)
         texts, prompts = P.split_prompt(req.prompt)
         P.check_num_completions(len(texts or prompts), params.n, ctx.limits)
@@ -224,7 +224,7 @@ def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
     async def chat_completions(request: Request):
         ctx = serving_context(app)
         req = parse_model(P.ChatCompletionRequest, await read_json(request))
-        check_model(ctx, req.model, aengine.engine.config.model)
+        check_model(ctx, req.model, aengine.model)
         params = P.chat_params(req, ctx.limits)
         prompt = await ctx.run(serving.apply_chat_template, ctx, req)
         serving.prompt_check(ctx, [prompt])
@@ -237,9 +237,8 @@ def _add_openai_routes(app: FastAPI, aengine: AsyncEngine) -> None:
     @app.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
     async def models():
         ctx = serving_context(app)
-        eng = aengine.engine
         card = {"id": ctx.model_name, "object": "model", "created": aengine.created,
-                "owned_by": "kvserve", "max_model_len": eng.max_model_len}
+                "owned_by": "kvserve", "max_model_len": aengine.info.max_model_len}
         return {"object": "list", "data": [card]}
 
 
@@ -257,7 +256,7 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
     async def tokenize(request: Request):
         ctx = serving_context(app)
         req = parse_model(P.TokenizeRequest, await read_json(request))
-        check_model(ctx, req.model, app.state.engine.engine.config.model)
+        check_model(ctx, req.model, app.state.engine.model)
         if req.prompt is None and req.messages is None:
             raise APIError(400, "give prompt or messages", "invalid_value", "prompt")
         if req.messages is not None:
@@ -265,21 +264,21 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
         else:
             tokenizer = ctx.need_tokenizer("tokenize")
             ids = await ctx.run(lambda: tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        return {"tokens": ids, "count": len(ids), "max_model_len": app.state.engine.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": app.state.engine.info.max_model_len}
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS,
               openapi_extra=_body_schema(P.DetokenizeRequest))
     async def detokenize(request: Request):
         ctx = serving_context(app)
         req = parse_model(P.DetokenizeRequest, await read_json(request))
-        check_model(ctx, req.model, app.state.engine.engine.config.model)
+        check_model(ctx, req.model, app.state.engine.model)
         if req.tokens and max(req.tokens) >= ctx.limits.vocab_size:
             raise APIError(400, f"tokens: token ids must be in [0, {ctx.limits.vocab_size})", "invalid_value",
                            "tokens")
         return {"prompt": await ctx.run(ctx.need_tokenizer("detokenize").decode, req.tokens)}
 
 
-def _add_ops_routes(app: FastAPI, aengine: AsyncEngine) -> None:
+def _add_ops_routes(app: FastAPI, aengine: EngineClient) -> None:
     def status_response(ok: bool, detail: str) -> JSONResponse:
         headers = {} if ok else {"Retry-After": str(app.state.settings.retry_after)}
         body = {"status": "ok" if ok else "unavailable", "detail": detail}
@@ -325,7 +324,7 @@ def _openapi(app: FastAPI) -> dict:
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
-    engine = app.state.engine.engine
+    engine = app.state.engine.info
     if engine is not None:
         _set_token_id_maximum(components, engine.vocab_size - 1)
         app.openapi_schema = schema

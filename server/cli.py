@@ -3,18 +3,15 @@
 Options come from, lowest to highest precedence: defaults, a YAML config file (--config or KVSERVE_CONFIG),
 KVSERVE_* environment variables, command-line flags. SIGTERM / SIGINT drain: new requests get 503 and /ready
 turns 503, requests in flight get --shutdown-timeout seconds, the rest are aborted; the process exits 0.
-A second signal aborts everything at once.
+A second signal aborts everything at once. The processes this starts: server/launcher.py.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import sys
-import threading
 
-import uvicorn
 
 from server.settings import ENV_PREFIX, Option, all_options, parse_text, resolve
 
@@ -105,70 +102,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_server(engine_config, settings) -> int:
-    from engine.engine import LLMEngine
-    from engine.malloc import freeze_startup_objects
-    from server.app import create_app
-    from server.async_engine import AsyncEngine
+    from server.launcher import run_server as launch
 
-    def build_engine() -> LLMEngine:
-        engine = LLMEngine(engine_config)
-        freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
-        return engine
-
-    aengine = AsyncEngine(build_engine, settings)
-    app = create_app(aengine, settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
-    server = DrainingServer(config, aengine, settings.shutdown_timeout)
-    aengine.on_fatal = lambda exc: server.request_exit()
-    logger.info("kvserve: serving on http://%s:%d; the model loads in the background (/ready is 200 once loaded)",
-                settings.host, settings.port)
-    server.run()
-    leftover = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()
-                and (not t.daemon or t.name.startswith("kvserve"))]
-    if leftover:
-        logger.warning("threads still running at exit: %s", ", ".join(leftover))
-    if aengine.load_error is not None:
-        print(f"kvserve: loading the model failed: {aengine.load_error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-class DrainingServer(uvicorn.Server):
-    """A uvicorn.Server whose first SIGTERM / SIGINT drains instead of closing the listening socket at once."""
-
-    def __init__(self, config: uvicorn.Config, aengine, shutdown_timeout: float):
-        super().__init__(config)
-        self.aengine = aengine
-        self.shutdown_timeout = shutdown_timeout
-        self._drain_started = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def startup(self, sockets=None):
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
-
-    def handle_exit(self, sig, frame):
-        # Not recorded in _captured_signals: uvicorn would re-raise it at exit, and we would not exit 0.
-        if self._loop is None:
-            self.should_exit = True
-        elif self._drain_started:
-            logger.warning("second signal: aborting every request now")
-            self._loop.call_soon_threadsafe(self.aengine.abort_all)
-            self.should_exit = True
-        else:
-            self._drain_started = True
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-    def request_exit(self) -> None:
-        self.should_exit = True
-
-    async def _drain(self) -> None:
-        logger.info("draining: refusing new requests; %d in flight get %.0f s", self.aengine.num_live,
-                    self.shutdown_timeout)
-        self.aengine.begin_drain()
-        if not await self.aengine.wait_idle(self.shutdown_timeout):
-            logger.warning("shutdown timeout: aborting %d requests", self.aengine.num_live)
-            self.aengine.abort_all()
-            await self.aengine.wait_idle(10.0)
-        self.should_exit = True
+    return launch(engine_config, settings)

@@ -1,7 +1,8 @@
 """Prometheus metrics, in a registry per app (two servers in one process never share counters).
 
-Engine-side numbers (queue lengths, KV blocks, prefix cache, token counters) are read from the latest
-EngineStats snapshot at scrape time; latencies are observed by the server as outputs arrive.
+Engine-side numbers (queue lengths, KV blocks, prefix cache, token counters) are read at scrape time from the
+latest CoreStats the engine core sent (every step, and every 0.25 s while idle); latencies and finishes are
+observed by the front end as outputs arrive.
 """
 from __future__ import annotations
 
@@ -18,15 +19,13 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 
 
 class _EngineStatsCollector:
-    """Gauges and cumulative counters straight from the engine's own stats."""
+    """Gauges and cumulative counters straight from the engine core's latest CoreStats."""
 
-    def __init__(self, snapshot: Callable[[], object | None], server_idle_violations: Callable[[], int]):
+    def __init__(self, snapshot: Callable[[], object]):
         self._snapshot = snapshot
-        self._server_idle_violations = server_idle_violations
 
     def collect(self):
         stats = self._snapshot()
-        sched = getattr(stats, "scheduler", None)
         gauges = (("kvserve_requests_running", "completions running in the batch", "num_running"),
                   ("kvserve_requests_waiting", "completions waiting in the engine's queue", "num_waiting"),
                   ("kvserve_kv_blocks_total", "KV-cache blocks in the pool", "num_blocks_total"),
@@ -34,28 +33,29 @@ class _EngineStatsCollector:
                    "num_blocks_used"),
                   ("kvserve_kv_blocks_cached", "evictable prefix-cache blocks", "num_blocks_cached"))
         for name, doc, attr in gauges:
-            yield GaugeMetricFamily(name, doc, value=getattr(sched, attr, 0))
+            yield GaugeMetricFamily(name, doc, value=getattr(stats, attr))
         counters = (("kvserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-                     sched, "prefix_cache_queries"),
-                    ("kvserve_prefix_cache_hits", "prompt tokens found in the prefix cache", sched,
-                     "prefix_cache_hits"),
-                    ("kvserve_preemptions", "requests preempted for lack of KV blocks", sched, "num_preemptions"),
-                    ("kvserve_prompt_tokens", "prompt tokens admitted", stats, "prompt_tokens_total"),
-                    ("kvserve_generation_tokens", "tokens generated", stats, "generation_tokens_total"),
-                    ("kvserve_engine_steps", "engine steps run", stats, "num_steps"))
-        for name, doc, obj, attr in counters:
-            yield CounterMetricFamily(name, doc, value=getattr(obj, attr, 0))
-        violations = getattr(stats, "idle_invariant_violations", 0) + self._server_idle_violations()
-        yield CounterMetricFamily("kvserve_idle_invariant_violations",
-                                  "times the engine went idle with KV blocks still held by no request",
-                                  value=violations)
+                     "prefix_cache_queries"),
+                    ("kvserve_prefix_cache_hits", "prompt tokens found in the prefix cache", "prefix_cache_hits"),
+                    ("kvserve_preemptions", "requests preempted for lack of KV blocks", "num_preemptions"),
+                    ("kvserve_prompt_tokens", "prompt tokens admitted", "prompt_tokens_total"),
+                    ("kvserve_generation_tokens", "tokens generated", "generation_tokens_total"),
+                    ("kvserve_engine_steps", "engine steps run", "num_steps"),
+                    ("kvserve_idle_invariant_violations",
+                     "times the engine went idle with KV blocks still held by no request", "idle_invariant_violations"))
+        for name, doc, attr in counters:
+            yield CounterMetricFamily(name, doc, value=getattr(stats, attr))
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], object | None]):
+    """multiprocess_dir: with several front-end processes, prometheus_client's multiprocess mode (its
+    PROMETHEUS_MULTIPROC_DIR, set before any process imports prometheus_client) sums their counters and
+    histograms; the engine's own numbers come from the core, the same in every front end."""
+
+    def __init__(self, snapshot: Callable[[], object], multiprocess_dir: str | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.server_idle_violations = 0  # found by the server when the engine has no check of its own
-        self.registry.register(_EngineStatsCollector(snapshot, lambda: self.server_idle_violations))
+        self._engine = _EngineStatsCollector(snapshot)
+        self._render_registry = self._rendering(multiprocess_dir)
         r = self.registry
         self.finished = Counter("kvserve_requests_finished", "completions finished, by reason", ["reason"],
                                 registry=r)
@@ -75,5 +75,16 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(reason)  # present at 0 from the start
 
+    def _rendering(self, multiprocess_dir: str | None) -> CollectorRegistry:
+        if multiprocess_dir is None:
+            self.registry.register(self._engine)
+            return self.registry
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry(auto_describe=False)
+        multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)
+        registry.register(self._engine)
+        return registry
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._render_registry)

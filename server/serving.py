@@ -1,4 +1,4 @@
-"""OpenAI completions and chat completions on top of AsyncEngine: prompts in, JSON or SSE out.
+"""OpenAI completions and chat completions on top of EngineClient: prompts in, JSON or SSE out.
 
 A request's choices are numbered prompt_index * n + completion_index (OpenAI's order). Streams send a
 chunk whenever a completion gains text or logprobs, or finishes; an error after the stream started is an
@@ -7,16 +7,18 @@ SSE `data: {"error": ...}` event followed by `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
 import uuid
+
+import orjson
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from engine.request import FinishReason, StepOutput, TokenLogprob
-from server.async_engine import AsyncEngine, Generation
+from server.engine_client import EngineClient
+from server.generation import Generation
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, Limits, check_prompt_ids, message_dicts
 
@@ -27,8 +29,8 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a token the request made impossible
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
-    tokenizer: object  # the server's own copy: the engine thread uses the engine's
+    engine: EngineClient
+    tokenizer: object  # a copy for the tokenization threads: the event loop detokenizes with the client's
     model_name: str
     limits: Limits
     max_prompt_tokens: int
@@ -98,8 +100,9 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+def sse(data: dict | str) -> bytes:
+    """One SSE event (orjson: the encoding of every chunk of every stream is on this process's hot path)."""
+    return b"data: " + (data.encode() if isinstance(data, str) else orjson.dumps(data)) + b"\n\n"
 
 
 async def collect(gen: Generation) -> tuple[dict[int, Choice], int]:

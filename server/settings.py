@@ -47,6 +47,8 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)
     log_requests: bool = False
     log_level: str = "info"
+    api_server_count: int | None = None  # None: default_api_server_count()
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,6 +69,19 @@ class ServerSettings:
             need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, f"{name} must be >= 0")
         need(self.retry_after >= 0, "retry_after must be >= 0")
         need(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}")
+        need(self.api_server_count is None or 1 <= self.api_server_count <= 64, "api_server_count must be in [1, 64]")
+        need(self.stream_interval >= 1, "stream_interval must be >= 1")
+
+    @property
+    def num_api_servers(self) -> int:
+        return self.api_server_count or default_api_server_count()
+
+
+def default_api_server_count(cores: int | None = None) -> int:
+    """One front-end process per 4 cores, 1 to 4: the engine core needs a core of its own, and on the H200 host
+    (16 cores) vLLM's server scaled up to 4 front ends (docs/benchmarks.md). 2 cores: 1."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(4, cores // 4))
 
 
 ENGINE_HELP = {
@@ -113,6 +128,10 @@ SERVER_HELP = {
     "cors_origins": "comma-separated origins allowed by CORS (default: CORS off)",
     "log_requests": "log prompts and outputs (off by default: they may be private)",
     "log_level": f"log level {LOG_LEVELS}",
+    "api_server_count": "HTTP front-end processes sharing the one engine core (each stream is served by one); "
+                        "default: cores // 4, between 1 and 4",
+    "stream_interval": "tokens per SSE chunk of a completion (the last chunk may hold fewer); a stream that "
+                       "falls behind gets every waiting token in one chunk whatever this is",
 }
 
 

@@ -1,4 +1,5 @@
-"""Helpers to run the real server in tests: uvicorn on a loopback port, in a thread or a subprocess."""
+"""Helpers to run the real server in tests: uvicorn on a loopback port (in a thread over an engine-core process,
+or `kvserve serve` as a subprocess)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -38,24 +40,48 @@ def wait_ready(base_url: str, timeout: float = 120.0, proc: subprocess.Popen | N
 
 
 class Faults:
-    """Knobs the tests turn; read by the engine thread."""
+    """Knobs the tests turn, read by the engine in the engine-core process (shared memory, so a test sets
+    `faults.step_delay = 0.5` here and the core's next step sleeps)."""
+
+    KNOBS = {"step_delay": "d", "forward_raises": "i", "step_raises": "i", "steps": "i", "leak_blocks": "i"}
 
     def __init__(self):
-        self.step_delay = 0.0  # seconds each engine step sleeps first
-        self.forward_raises = 0  # the next N model forward passes raise
-        self.step_raises = 0  # the next N engine steps raise (outside the engine's own error handling)
-        self.steps = 0
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        values = {name: ctx.Value(kind, 0, lock=False) for name, kind in self.KNOBS.items()}
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name):
+        return self._values[name].value
+
+    def __setattr__(self, name, value):
+        self._values[name].value = value
+
+    def __getstate__(self):
+        return self._values
+
+    def __setstate__(self, values):
+        object.__setattr__(self, "_values", values)
 
 
-def faulty_engine(faults: Faults):
-    from engine.engine import LLMEngine
+class FaultyEngine:
+    """engine_factory for the engine core: an LLMEngine whose steps and forward passes obey `faults`.
+    leak_blocks = k takes k KV blocks from the pool before the next step and holds them (a leak the idle
+    invariant must catch); leak_blocks = 0 gives them back."""
 
-    def make(config):
+    def __init__(self, faults: Faults):
+        self.faults = faults
+
+    def __call__(self, config):
+        from engine.engine import LLMEngine
+
         engine = LLMEngine(config)
-        step, forward = engine.step, engine.runner.model.forward
+        step, forward, faults, leaked = engine.step, engine.runner.model.forward, self.faults, []
 
         def slow_step():
             faults.steps += 1
+            _leak(engine.scheduler.pool, faults.leak_blocks, leaked)
             if faults.step_delay:
                 time.sleep(faults.step_delay)
             if faults.step_raises > 0:
@@ -73,13 +99,24 @@ def faulty_engine(faults: Faults):
         engine.runner.model.forward = bad_forward
         return engine
 
-    return make
+
+def _leak(pool, wanted: int, leaked: list) -> None:
+    if wanted > len(leaked):
+        leaked += pool.allocate(wanted - len(leaked))
+    elif wanted == 0 and leaked:
+        pool.free(leaked)
+        leaked.clear()
+
+
+def faulty_engine(faults: Faults) -> FaultyEngine:
+    return FaultyEngine(faults)
 
 
 class ServerThread:
-    """The real app under uvicorn in a background thread of this process.
+    """The real front end (app + uvicorn) in a background thread of this process, over a real engine-core
+    process (engine/core/), as `kvserve serve --api-server-count 1` runs them.
 
-    engine_factory(config) -> engine lets a test wrap the engine (fault injection); default LLMEngine.
+    engine_factory(config) -> engine (picklable: it runs in the core) lets a test wrap the engine.
     """
 
     def __init__(self, model_dir, engine_factory=None, draining: bool = False, **options):
@@ -93,28 +130,23 @@ class ServerThread:
         server_opts = {k: v for k, v in options.items() if k not in engine_fields}
         self.settings = ServerSettings(port=free_port(), log_level="warning", **server_opts)
         self.engine_factory = engine_factory
-        self.draining = draining  # cli.DrainingServer (what `kvserve serve` runs) instead of uvicorn.Server
+        self.draining = draining  # frontend.DrainingServer (what `kvserve serve` runs) instead of uvicorn.Server
         self.base_url = f"http://127.0.0.1:{self.settings.port}"
-        self.app = self.aengine = self.server = self.thread = None
+        self.app = self.aengine = self.server = self.thread = self.core = None
 
     def __enter__(self) -> "ServerThread":
         import uvicorn
 
-        from engine.engine import LLMEngine
-        from server.app import create_app
-        from server.async_engine import AsyncEngine
+        from engine.core.process import CoreAddresses, EngineCoreSpec, start_engine_core
+        from server.engine_client import CoreConnection
+        from server.frontend import DrainingServer, FrontendSpec, build_frontend, uvicorn_config
 
-        import torch
-
-        self._threads = torch.get_num_threads()  # the server lowers it on the CPU; later tests get it back
-        factory = self.engine_factory or LLMEngine
-        self.aengine = AsyncEngine(lambda: factory(self.engine_config), self.settings)
-        self.app = create_app(self.aengine, self.settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=5)
+        addresses = CoreAddresses.new(1)
+        self.core = start_engine_core(EngineCoreSpec(self.engine_config, addresses, "warning", self.engine_factory))
+        spec = FrontendSpec(self.settings, CoreConnection(addresses, 0, self.core.core_alive), self.engine_config.model)
+        self.aengine, self.app = build_frontend(spec)
+        config = uvicorn_config(self.app, self.settings)
         if self.draining:
-            from server.cli import DrainingServer
-
             self.server = DrainingServer(config, self.aengine, self.settings.shutdown_timeout)
         else:
             self.server = uvicorn.Server(config)
@@ -126,10 +158,14 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
+        code = self.core.shutdown(timeout=30)
+        shutil.rmtree(Path(self.core.spec.addresses.inbox[len("ipc://"):]).parent, ignore_errors=True)
         assert not self.thread.is_alive(), "uvicorn did not stop"
-        import torch
+        assert code is not None, "the engine core did not stop"
 
-        torch.set_num_threads(self._threads)
+    @property
+    def core_pid(self) -> int:
+        return self.core.process.pid
 
     def url(self, path: str) -> str:
         return self.base_url + path

@@ -201,9 +201,9 @@ def small_pool_server(tiny_model_dir):
 
 
 def engine_thread_cpu(server: ServerThread) -> float:
-    tid = server.aengine._thread.native_id
-    t = next(t for t in psutil.Process().threads() if t.id == tid)
-    return t.user_time + t.system_time
+    """CPU seconds the engine-core process has used."""
+    times = psutil.Process(server.core_pid).cpu_times()
+    return times.user + times.system
 
 
 def assert_engine_sleeps(server: ServerThread, seconds: float = 0.5) -> None:

@@ -4,27 +4,25 @@ The app is driven in-process (Starlette's TestClient) with an engine that is sti
 """
 from __future__ import annotations
 
-import threading
+import shutil
 
 import pytest
 from fastapi.testclient import TestClient
 
 from server.app import create_app, parse_json_object
-from server.async_engine import AsyncEngine
+from engine.core.process import CoreAddresses
+from server.engine_client import CoreConnection, EngineClient
 from server.errors import APIError
 from server.settings import ServerSettings
 
 
 def loading_app(**settings):
-    """An app whose engine never finishes loading: the factory blocks until released, then fails."""
-    release = threading.Event()
-
-    def never_loads():
-        release.wait(30)
-        raise RuntimeError("this test engine never loads")
-
-    aengine = AsyncEngine(never_loads, ServerSettings(**settings))
-    return create_app(aengine, aengine.settings), release
+    """An app whose engine core never answers (no core process listens on its addresses): it stays loading.
+    Returns the app and a function that removes the addresses' folder."""
+    addresses = CoreAddresses.new(1)
+    client = EngineClient(CoreConnection(addresses), ServerSettings(**settings))
+    folder = addresses.inbox[len("ipc://"):].rsplit("/", 1)[0]
+    return create_app(client, client.settings), lambda: shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
@@ -32,7 +30,7 @@ def client():
     app, release = loading_app()
     with TestClient(app) as c:
         yield c
-        release.set()
+        release()
 
 
 def test_loading_state(client):
@@ -65,7 +63,7 @@ def test_cors_origins_when_configured():
         assert other.headers.get("access-control-allow-origin") != "http://evil.example"
         assert c.get("/health", headers={"Origin": "http://ok.example"}).headers[
             "access-control-allow-origin"] == "http://ok.example"
-        release.set()
+        release()
 
 
 @pytest.mark.parametrize("raw", [b"{", b"\xc3\x28", b"[1]", b"null", b"\"x\"", b"{\"a\": NaN}",

@@ -1,0 +1,174 @@
+"""Starting the engine-core process, and its entry point.
+
+The launcher (the process `kvserve serve` started, or a test) calls start_engine_core(spec). The core is a
+spawned process (a fork would copy the launcher's threads and CUDA state) titled `kvserve::engine-core`.
+Two pipes tie the processes' lives together, read by poll, never written:
+  - the launcher's lifeline: the core (and every front-end process) holds its read end and exits when it
+    reads EOF, so a killed launcher leaves no orphan holding the GPU;
+  - the core's lifeline: the front ends hold its read end and learn of the core's death at once (EOF), without
+    waiting for a heartbeat to go missing.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.core.messages import Codec, FromCore, LoadFailed, Ready, Shutdown, ToCore
+
+logger = logging.getLogger("kvserve.engine_core")
+
+PROCESS_TITLE = "kvserve::engine-core"
+
+
+@dataclass
+class CoreAddresses:
+    """ZeroMQ ipc endpoints: one inbox for every front end, one outbox per front end."""
+    inbox: str
+    outboxes: list[str]
+
+    @classmethod
+    def new(cls, num_clients: int) -> "CoreAddresses":
+        folder = tempfile.mkdtemp(prefix="kvserve-")  # short: ipc paths must stay under ~100 bytes
+        return cls(f"ipc://{folder}/in", [f"ipc://{folder}/out-{i}" for i in range(num_clients)])
+
+
+@dataclass
+class EngineCoreSpec:
+    """Everything the core process needs (pickled to it once, at spawn)."""
+    engine_config: EngineConfig
+    addresses: CoreAddresses
+    log_level: str = "info"
+    # engine_factory(config) -> engine; tests wrap the engine to inject faults. None: LLMEngine.
+    engine_factory: Callable | None = None
+    env: dict[str, str] = field(default_factory=dict)  # set in the core before anything is imported
+
+
+@dataclass
+class EngineCoreHandle:
+    """The launcher's side: the process, the pipe ends the front ends need, and a socket to ask it to stop."""
+    process: mp.process.BaseProcess
+    spec: EngineCoreSpec
+    core_alive: object  # Connection: readable (EOF) once the core has exited
+    launcher_alive: object  # Connection: the read end of the launcher's lifeline, for front-end processes
+    _launcher_hold: object  # Connection: the write end; the launcher holds it until it exits
+
+    def shutdown(self, timeout: float = 30.0) -> int | None:
+        """Ask the core to stop (it aborts what is left), wait, kill it if it does not go. Its exit code."""
+        if self.process.is_alive():
+            _send_once(self.spec.addresses.inbox, Codec(ToCore).encode(Shutdown()))
+            self.process.join(timeout)
+        if self.process.is_alive():
+            logger.error("the engine core did not stop within %.0f s: killing it", timeout)
+            self.process.kill()
+            self.process.join(5)
+        return self.process.exitcode
+
+
+def start_engine_core(spec: EngineCoreSpec) -> EngineCoreHandle:
+    ctx = mp.get_context("spawn")
+    launcher_read, launcher_write = ctx.Pipe(duplex=False)
+    core_read, core_write = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=run_engine_core, args=(spec, launcher_read, core_write), name=PROCESS_TITLE,
+                          daemon=True)
+    process.start()
+    core_write.close()  # the core holds the only write end: EOF here means it is gone
+    return EngineCoreHandle(process, spec, core_read, launcher_read, launcher_write)
+
+
+def _send_once(address: str, data: bytes) -> None:
+    context = zmq.Context.instance()
+    with context.socket(zmq.PUSH) as sock:
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(address)
+        sock.send(data)
+
+
+# ---- inside the core process --------------------------------------------------------------------------------
+def run_engine_core(spec: EngineCoreSpec, launcher_alive, core_alive) -> None:
+    """The process's main: load, say Ready (or LoadFailed), loop until Shutdown or the launcher's death."""
+    os.environ.update(spec.env)
+    _become_engine_core(spec.log_level)
+    context = zmq.Context()
+    inbox, outboxes = _bind(context, spec.addresses)
+    codec = Codec(FromCore)
+    engine = _load(spec, outboxes, codec)
+    if engine is None:
+        raise SystemExit(1)
+    from engine.core.loop import EngineCore
+
+    EngineCore(engine, inbox, outboxes, launcher_alive.fileno()).run()
+    del core_alive  # held until here: its closing tells the front ends the core is gone
+
+
+def _become_engine_core(log_level: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(PROCESS_TITLE)
+    except ImportError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher decides
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _bind(context: zmq.Context, addresses: CoreAddresses):
+    inbox = context.socket(zmq.PULL)
+    inbox.setsockopt(zmq.RCVHWM, 0)
+    inbox.bind(addresses.inbox)
+    outboxes = []
+    for address in addresses.outboxes:
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow reader: it is our own front end
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.bind(address)
+        outboxes.append(sock)
+    return inbox, outboxes
+
+
+def _load(spec: EngineCoreSpec, outboxes, codec: Codec):
+    """The engine, or None after telling every front end why loading failed."""
+    import time
+
+    start = time.monotonic()
+    try:
+        engine = _build(spec)
+    except BaseException as exc:
+        logger.exception("loading the model failed")
+        for sock in outboxes:
+            sock.send(codec.encode(LoadFailed(f"{type(exc).__name__}: {exc}"[:2000])))
+        return None
+    from engine.core.loop import core_stats
+    from engine.malloc import freeze_startup_objects
+
+    freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
+    ready = Ready(str(engine.model_path), engine.tokenizer_path, engine.vocab_size, engine.max_model_len,
+                  str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine))
+    for sock in outboxes:
+        sock.send(codec.encode(ready))
+    logger.info("model loaded in %.1f s: the engine core is ready", time.monotonic() - start)
+    return engine
+
+
+def _build(spec: EngineCoreSpec):
+    """The engine, with torch's intra-op threads one fewer than the cores when it runs on the CPU: they spin
+    on every core between ops and starved the HTTP process's event loop (measured 10x slower tokens on 2
+    cores). Set before the engine is built: its warm-up builds oneDNN primitives for the thread count it runs
+    under, and under another count every one is built again while serving."""
+    import torch
+
+    from engine.engine import LLMEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    engine = (spec.engine_factory or LLMEngine)(spec.engine_config)
+    if engine.device.type != "cpu":  # a GPU engine keeps torch's default
+        torch.set_num_threads(threads)
+    return engine

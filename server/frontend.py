@@ -1,0 +1,126 @@
+"""One HTTP front-end process: an EngineClient, the FastAPI app over it, and uvicorn.
+
+With --api-server-count 1 the launcher runs this in its own process; with N > 1 it spawns N processes titled
+`kvserve::api-server-K`, each serving the listening socket the launcher bound (the kernel spreads new
+connections over them, so each stream is served by one).
+
+SIGTERM / SIGINT drain: new requests get 503 and /ready turns 503, requests in flight get --shutdown-timeout
+seconds, the rest are aborted. A second signal aborts everything at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from server.engine_client import CoreConnection, EngineClient
+
+logger = logging.getLogger("kvserve.server")
+
+
+@dataclass
+class FrontendSpec:
+    """What a front-end process needs besides its socket (pickled to it at spawn)."""
+    settings: object  # ServerSettings
+    connection: CoreConnection
+    model: str | None  # the configured model (None: the embedded default)
+    multiprocess_dir: str | None = None  # prometheus_client's multiprocess directory, with N > 1 front ends
+
+
+def build_frontend(spec: FrontendSpec):
+    """(client, app)."""
+    from server.app import create_app
+
+    client = EngineClient(spec.connection, spec.settings, spec.model, spec.multiprocess_dir)
+    return client, create_app(client, spec.settings)
+
+
+def uvicorn_config(app, settings) -> uvicorn.Config:
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
+
+
+def serve(spec: FrontendSpec, sockets=None) -> int:
+    """Run one front end until it is stopped. 1 if the model failed to load, else 0."""
+    client, app = build_frontend(spec)
+    server = DrainingServer(uvicorn_config(app, spec.settings), client, spec.settings.shutdown_timeout)
+    client.on_fatal = lambda exc: server.request_exit()
+    server.run(sockets=sockets)
+    if client.load_error is not None:
+        print(f"kvserve: loading the model failed: {client.load_error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def frontend_process_main(spec: FrontendSpec, index: int, sock, launcher_alive) -> None:
+    """Entry point of front-end process `index` (N > 1): its own process group (the launcher forwards signals,
+    so that Ctrl-C does not reach it twice), and an exit when the launcher is gone."""
+    os.setpgrp()
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"kvserve::api-server-{index}")
+    except ImportError:
+        pass
+    logging.basicConfig(level=spec.settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watch_lifeline(launcher_alive, "the launcher")
+    raise SystemExit(serve(spec, sockets=[sock]))
+
+
+def watch_lifeline(conn, whose: str) -> None:
+    """A daemon thread that ends this process when `conn` (a pipe's read end, never written) reads EOF."""
+    def wait() -> None:
+        try:
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        logger.error("%s is gone: exiting", whose)
+        os._exit(1)
+
+    threading.Thread(target=wait, name="kvserve-lifeline", daemon=True).start()
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn.Server whose first SIGTERM / SIGINT drains instead of closing the listening socket at once."""
+
+    def __init__(self, config: uvicorn.Config, aengine, shutdown_timeout: float):
+        super().__init__(config)
+        self.aengine = aengine
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame):
+        # Not recorded in _captured_signals: uvicorn would re-raise it at exit, and we would not exit 0.
+        if self._loop is None:
+            self.should_exit = True
+        elif self._drain_started:
+            logger.warning("second signal: aborting every request now")
+            self._loop.call_soon_threadsafe(self.aengine.abort_all)
+            self.should_exit = True
+        else:
+            self._drain_started = True
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+    async def _drain(self) -> None:
+        logger.info("draining: refusing new requests; %d in flight get %.0f s", self.aengine.num_live,
+                    self.shutdown_timeout)
+        self.aengine.begin_drain()
+        if not await self.aengine.wait_idle(self.shutdown_timeout):
+            logger.warning("shutdown timeout: aborting %d requests", self.aengine.num_live)
+            self.aengine.abort_all()
+            await self.aengine.wait_idle(10.0)
+        self.should_exit = True
