@@ -60,7 +60,7 @@ class Admission:
             return False, self.dead_reason
         silent = time.monotonic() - self.last_heard
         if has_work and self.state != EngineState.LOADING and silent > self.settings.watchdog_timeout:
-            return False, f"work is pending but the engine made no progress for {silent:.0f} s"
+            return False, f"an engine step has made no progress for {silent:.1f} s while work is pending"
         return True, self.state.value
 
     def readiness(self, has_work: bool) -> tuple[bool, str]:

@@ -91,6 +91,7 @@ class EngineCore:
                 return  # the launcher is gone: nobody is left to serve
             if self.stopping:
                 break
+            self._send_admissions()
             start = end = 0.0
             if self.engine.has_unfinished_requests():
                 start, end = self._step()
@@ -114,6 +115,12 @@ class EngineCore:
                 message = self.codec.decode(data.buffer)
                 self.handlers[type(message)](message)
         return True
+
+    def _send_admissions(self) -> None:
+        """Admissions go out before the step that runs them: a long step must not delay them, nor the stats
+        that count the new requests as waiting (a front end that saw 0 waiting would think the engine idle)."""
+        if any(box.admitted or box.rejected for box in self.outboxes):
+            self._send(0.0, 0.0)
 
     def _send(self, start: float, end: float) -> None:
         """One EngineOutputs to each front end with news, and a heartbeat to each silent for HEARTBEAT_S."""
