@@ -129,8 +129,16 @@ class EngineCore:
         for socket, box in zip(self.sockets, self.outboxes):
             if box.has_news() or now - box.last_sent >= HEARTBEAT_S:
                 stats = stats or core_stats(self.engine)
-                socket.send(self.codec.encode(box.take(stats, start, end)), copy=False)
+                self._post(socket, box.take(stats, start, end))
                 box.last_sent = now
+
+    def _post(self, socket: zmq.Socket, message: EngineOutputs) -> None:
+        """Never blocks: the outboxes have no high-water mark, so a send can only fail when the front end is
+        gone (a PUSH socket with no peer); its messages are dropped and the core serves the others."""
+        try:
+            socket.send(self.codec.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.debug("a front end is gone: its message is dropped")
 
     # ---- messages -----------------------------------------------------------------------------------
     def _add(self, msg: AddRequest) -> None:
