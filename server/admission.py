@@ -47,8 +47,9 @@ class WaitingQueue:
 
 
 class Admission:
-    def __init__(self, settings, metrics) -> None:
+    def __init__(self, settings, metrics, peers_ready=None) -> None:
         self.settings = settings
+        self.peers_ready = peers_ready  # front ends sharing the listening socket: /ready waits for all of them
         self.metrics = metrics
         self.state = EngineState.LOADING
         self.dead_reason = "the engine has failed"
@@ -69,6 +70,8 @@ class Admission:
             return False, why
         if self.state != EngineState.READY:
             return False, self.state.value
+        if self.peers_ready is not None and not all(self.peers_ready):
+            return False, f"{sum(self.peers_ready)} of {len(self.peers_ready)} front ends are ready"
         if self.waiting.would_overflow(1, 0):
             return False, "overloaded"
         return True, "ready"

@@ -39,6 +39,7 @@ class CoreConnection:
     addresses: CoreAddresses
     client_index: int = 0
     core_alive: object | None = None  # Connection that turns readable (EOF) when the core exits; None: unwatched
+    peers_ready: object | None = None  # with N > 1 front ends: shared bytes, one per front end, 1 once it is ready
 
 
 class EngineClient:
@@ -54,7 +55,7 @@ class EngineClient:
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.stats = CoreStats()
         self.metrics = ServerMetrics(lambda: self.stats, multiprocess_dir)
-        self.admission = Admission(settings, self.metrics)
+        self.admission = Admission(settings, self.metrics, connection.peers_ready)
         self._codec = Codec(FromCore)
         self._send_codec = Codec(ToCore)
         self._gens: dict[str, Generation] = {}  # engine request id -> its Generation
@@ -224,6 +225,8 @@ class EngineClient:
         self.info = msg
         if self.state == EngineState.LOADING:
             self.admission.state = EngineState.READY
+            if self.connection.peers_ready is not None:
+                self.connection.peers_ready[self.connection.client_index] = 1
         logger.info("engine core ready (%s, %s attention, %d KV blocks): accepting requests", msg.device,
                     msg.backend, msg.num_kv_blocks)
 

@@ -36,8 +36,9 @@ def run_server(engine_config, settings) -> int:
     logger.info("kvserve: engine core pid %d; %d front end(s) on http://%s:%d; /ready is 200 once the model "
                 "is loaded", handle.process.pid, n, settings.host, settings.port)
     try:
-        specs = [FrontendSpec(settings, CoreConnection(addresses, i, handle.core_alive), engine_config.model,
-                              metrics_dir) for i in range(n)]
+        peers_ready = mp.get_context("spawn").Array("b", n, lock=False) if n > 1 else None
+        specs = [FrontendSpec(settings, CoreConnection(addresses, i, handle.core_alive, peers_ready),
+                              engine_config.model, metrics_dir) for i in range(n)]
         return serve(specs[0]) if n == 1 else _supervise(specs, handle)
     finally:
         code = handle.shutdown(timeout=max(settings.shutdown_timeout, 10.0))
