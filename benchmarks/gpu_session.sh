@@ -26,13 +26,13 @@ case "$what" in
       > "$out/profile.log" 2>&1
     show "$out/profile.log" 80 ;;
   wb|wa)
-    timeout 560 python3 -m server.bench_throughput --preset "$what" --attention-backend "$backends" \
+    timeout 560 python3 -m bench.throughput --preset "$what" --attention-backend "$backends" \
       "${common[@]}" "$@" --out "$out/kvserve-$what.json" > "$out/kvserve-$what.log" 2>&1
     show "$out/kvserve-$what.log" 30 ;;
   hf)
     preset="${1:-wb}"; methods="${2:-generate,generate_batch}"; tag="hf-$preset-${methods//,/-}"
     # HF_WITH_KVSERVE="" skips the kvserve rerun beside it (transformers alone, when the device budget is short).
-    timeout 580 python3 -m server.bench_throughput --preset "$preset" --attention-backend "${HF_WITH_KVSERVE-${backends%%,*}}" \
+    timeout 580 python3 -m bench.throughput --preset "$preset" --attention-backend "${HF_WITH_KVSERVE-${backends%%,*}}" \
       --compare-hf "$methods" "${common[@]}" --out "$out/$tag.json" > "$out/$tag.log" 2>&1
     show "$out/$tag.log" 20 ;;
   *) echo "unknown part $what: tests|profile|wb|wa|hf" >&2; exit 2 ;;

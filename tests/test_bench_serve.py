@@ -14,9 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from server import bench_serve
-from server.bench_datasets import jsonl_requests, random_requests, sharegpt_requests
-from server.bench_serve import RequestResult
+from bench import serve as bench_serve
+from bench.datasets import jsonl_requests, random_requests, sharegpt_requests
+from bench.serve import RequestResult
 
 VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
              "request_goodput", "output_throughput", "total_token_throughput", "max_concurrent_requests"] + [

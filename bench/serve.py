@@ -21,7 +21,7 @@ from datetime import datetime
 
 import numpy as np
 
-from server.bench_datasets import SampleRequest, add_dataset_arguments, load_tokenizer, requests_from_args
+from bench.datasets import SampleRequest, add_dataset_arguments, load_tokenizer, requests_from_args
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 LATENCY_METRICS = (("ttft", "TTFT", "Time to First Token"),
