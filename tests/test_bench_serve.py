@@ -16,7 +16,8 @@ import pytest
 
 from bench import serve as bench_serve
 from bench.datasets import jsonl_requests, random_requests, sharegpt_requests
-from bench.serve import RequestResult
+from bench import serve_metrics
+from bench.serve_client import RequestResult
 
 VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
              "request_goodput", "output_throughput", "total_token_throughput", "max_concurrent_requests"] + [
@@ -241,7 +242,7 @@ def test_metrics_follow_vllms_definitions():
         _result(2.0, 0.2, [], 1),  # one token: no TPOT, no ITL
         _result(1.0, 0.0, [], 5, ok=False),
     ]
-    m = bench_serve.compute_metrics(results, duration=4.0, slos_ms={"ttft": 300, "tpot": 50},
+    m = serve_metrics.compute_metrics(results, duration=4.0, slos_ms={"ttft": 300, "tpot": 50},
                                     percentiles=[50, 90, 99])
     assert (m["completed"], m["failed"]) == (3, 1)
     assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 15
@@ -255,13 +256,13 @@ def test_metrics_follow_vllms_definitions():
     assert m["mean_itl_ms"] == pytest.approx((3 * 20 + 9 * 100) / 12)
     assert m["p50_itl_ms"] == pytest.approx(100)
     assert m["max_concurrent_requests"] == 2  # the failed one does not count
-    assert bench_serve.compute_metrics(results, 4.0, {}, [99])["request_goodput"] is None
+    assert serve_metrics.compute_metrics(results, 4.0, {}, [99])["request_goodput"] is None
 
 
 def test_peak_concurrency_treats_intervals_as_half_open():
     back_to_back = [_result(0.0, 0.5, [0.5], 2), _result(1.0, 0.5, [0.5], 2), _result(2.0, 1.0, [], 1)]
-    assert bench_serve.peak_concurrency(back_to_back) == 1
-    assert bench_serve.peak_concurrency(back_to_back + [_result(0.5, 1.0, [1.0], 2)]) == 2
+    assert serve_metrics.peak_concurrency(back_to_back) == 1
+    assert serve_metrics.peak_concurrency(back_to_back + [_result(0.5, 1.0, [1.0], 2)]) == 2
 
 
 # ------------------------------------------------------------------------------------------------ whole runs
@@ -343,7 +344,7 @@ def test_plot_has_four_panels_and_is_a_png(standin, tmp_path):
     assert (width, height) == (1200, 800)
     results = [_result(s, t, itl, len(itl) + 1) for s, t, itl in zip(
         result["start_times"], result["ttfts"], result["itls"])]
-    fig = bench_serve.make_figure(results, result["duration"], "t")
+    fig = serve_metrics.make_figure(results, result["duration"], "t")
     titles = [ax.get_title() for ax in fig.axes]
     assert len(titles) == 4
     assert [t.split()[0] for t in titles] == ["TTFT", "ITL", "E2EL", "Output"]
