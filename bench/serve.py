@@ -194,6 +194,9 @@ def result_record(args, model: str, metrics: dict, results: list[RequestResult],
         "dataset": args.dataset, "num_prompts": args.num_prompts, "seed": args.seed,
         "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio,
+        **({f"prefix_repetition_{k}": getattr(args, f"prefix_repetition_{k}")
+            for k in ("prefix_len", "suffix_len", "num_prefixes", "output_len")}
+           if args.dataset == "prefix_repetition" else {}),
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "num_workers": args.num_workers,
         "ignore_eos": args.ignore_eos,

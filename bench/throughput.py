@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.contenders import Measurement, kvserve_contender, time_contenders
-from bench.datasets import add_dataset_arguments
+from bench.datasets import SYNTHETIC, add_dataset_arguments
 from bench.hf import hf_contenders
 from bench.models import build_random_model, free_device_memory, parse_model_config
 from bench.workloads import Workload, workload_cpu_smollm2, workload_from_dataset, workload_wa, workload_wb
@@ -166,7 +166,7 @@ def make_workload(args: argparse.Namespace, model_path: Path) -> Workload:
     if args.preset == "cpu-smollm2":
         return workload_cpu_smollm2(vocab_size)
     tokenizer = None
-    if args.dataset != "random":
+    if args.dataset not in SYNTHETIC:
         from engine.loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_path)

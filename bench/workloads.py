@@ -8,7 +8,7 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from bench.datasets import random_requests, requests_from_args
+from bench.datasets import SYNTHETIC, random_requests, requests_from_args
 
 
 @dataclass
@@ -51,8 +51,8 @@ def workload_cpu_smollm2(vocab_size: int) -> Workload:
 
 
 def workload_from_dataset(args: argparse.Namespace, tokenizer, vocab_size: int) -> Workload:
-    """--dataset random|sharegpt|PATH.jsonl, as token ids (text prompts tokenized as the engine would)."""
+    """--dataset random|prefix_repetition|sharegpt|PATH.jsonl, as token ids (text prompts tokenized as the engine would)."""
     args.random_vocab_size = vocab_size
-    reqs = requests_from_args(args, tokenizer if args.dataset != "random" else None)
+    reqs = requests_from_args(args, tokenizer if args.dataset not in SYNTHETIC else None)
     prompts = [r.prompt if isinstance(r.prompt, list) else tokenizer.encode(r.prompt) for r in reqs]
     return Workload(args.dataset, prompts, [r.expected_output_len for r in reqs], args.temperature)

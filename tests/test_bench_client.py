@@ -36,7 +36,7 @@ def check(result: dict, num: int, out_len: int) -> None:
     assert all(len(itl) == out_len - 1 for itl in result["itls"])  # one chunk a token, every gap timed
     assert all(0 < ttft <= e2el for ttft, e2el in zip(result["ttfts"], result["latencies"]))
     assert result["output_throughput"] == pytest.approx(num * out_len / result["duration"])
-    assert result["median_tpot_ms"] > 0 and result["p99_itl_ms"] >= result["median_itl_ms"]
+    assert result["median_tpot_ms"] >= 0 and result["p99_itl_ms"] >= result["median_itl_ms"] >= 0
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -79,3 +79,12 @@ def test_shares_split_requests_round_robin_and_the_cap_without_exceeding_it():
                for k, s in enumerate(shares)]
     merged, duration = merge(results, 10)
     assert [r.prompt_len for r in merged] == list(range(10)) and duration == 3.0
+
+
+def test_prefix_repetition_dataset_through_several_workers(stub_url, tmp_path):
+    result = run(stub_url, tmp_path, "prefix", "--dataset", "prefix_repetition", "--num-prompts", "12",
+                 "--prefix-repetition-prefix-len", "20", "--prefix-repetition-suffix-len", "4",
+                 "--prefix-repetition-num-prefixes", "3", "--prefix-repetition-output-len", "6", "--num-workers", "2")
+    check(result, 12, 6)
+    assert result["input_lens"] == [24] * 12 and result["dataset"] == "prefix_repetition"
+    assert result["prefix_repetition_num_prefixes"] == 3

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench import serve as bench_serve
-from bench.datasets import jsonl_requests, random_requests, sharegpt_requests
+from bench.datasets import jsonl_requests, prefix_repetition_requests, random_requests, sharegpt_requests
 from bench import serve_metrics
 from bench.serve_client import RequestResult
 
@@ -155,6 +155,28 @@ def test_random_dataset_with_a_tokenizer_sends_text_of_the_asked_length(smollm2_
         assert not specials & set(ids)
     # Re-encoding may merge a token or two; vLLM tops up and trims, so nearly all land exactly on the target.
     assert sum(r.prompt_len == 64 for r in reqs) >= 18
+
+
+def test_prefix_repetition_dataset_shares_each_prefix_among_its_requests(smollm2_tokenizer):
+    reqs = prefix_repetition_requests(24, prefix_len=32, suffix_len=8, num_prefixes=3, output_len=5, seed=1,
+                                      vocab_size=700)
+    assert len(reqs) == 24 and {(r.prompt_len, r.expected_output_len) for r in reqs} == {(40, 5)}
+    assert all(len(r.prompt) == 40 and all(0 <= t < 700 for t in r.prompt) for r in reqs)
+    groups: dict[tuple, list] = {}
+    for r in reqs:
+        groups.setdefault(tuple(r.prompt[:32]), []).append(tuple(r.prompt[32:]))
+    assert sorted(len(g) for g in groups.values()) == [8, 8, 8]  # 3 prefixes, 8 requests each
+    assert len({s for g in groups.values() for s in g}) == 24  # every suffix its own
+    order = [tuple(r.prompt[:32]) for r in reqs]
+    assert any(a != b for a, b in zip(order, order[1:8]))  # shuffled: a prefix's requests are not all adjacent
+    assert [r.prompt for r in prefix_repetition_requests(24, 32, 8, 3, 5, seed=1, vocab_size=700)] == [
+        r.prompt for r in reqs]
+    with pytest.raises(ValueError, match="multiple"):
+        prefix_repetition_requests(10, 32, 8, 3, 5)
+    texts = prefix_repetition_requests(4, 24, 6, 2, 3, tokenizer=smollm2_tokenizer)
+    for r in texts:  # text prompts: a request's text starts with its prefix's text, shared by one other
+        assert isinstance(r.prompt, str) and 26 <= r.prompt_len <= 34
+        assert sum(o.prompt[:40] == r.prompt[:40] for o in texts) == 2
 
 
 def test_sharegpt_and_jsonl_datasets(tmp_path, smollm2_tokenizer):
