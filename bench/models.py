@@ -10,17 +10,19 @@ import json
 from pathlib import Path
 
 
+QWEN2_5_0_5B = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
+    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+    tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    hidden_act="silu", use_sliding_window=False, bos_token_id=151643, eos_token_id=151643, dtype="bfloat16")
+
+
 def builtin_model_config(name: str) -> dict | None:
-    """Shapes of well-known models, for random-weight builds. Qwen2.5-0.5B: the GPU issue's model."""
-    configs = {
-        "qwen2.5-0.5b": dict(
-            architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
-            num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-            tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-            hidden_act="silu", use_sliding_window=False, bos_token_id=151643, eos_token_id=151643,
-            dtype="bfloat16"),
-    }
-    return configs.get(name)
+    """Shapes of well-known models, for random-weight builds. Qwen2.5-0.5B: the GPU issues' model;
+    qwen2.5-0.5b-40k: the same with 40,960 positions, for W-L's 32k-token prompts (the published config
+    stops at 32,768, which a 32,768-token prompt and its output would overrun; random weights do not care)."""
+    configs = {"qwen2.5-0.5b": QWEN2_5_0_5B, "qwen2.5-0.5b-40k": {**QWEN2_5_0_5B, "max_position_embeddings": 40960}}
+    return dict(configs[name]) if name in configs else None
 
 
 def parse_model_config(value: str) -> dict:
@@ -32,7 +34,7 @@ def parse_model_config(value: str) -> dict:
     try:
         config = json.loads(text)
     except json.JSONDecodeError:
-        raise ValueError(f"--model-config {value!r} is neither a built-in name (qwen2.5-0.5b), "
+        raise ValueError(f"--model-config {value!r} is neither a built-in name (qwen2.5-0.5b, qwen2.5-0.5b-40k), "
                          f"a .json file, nor inline JSON") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError("--model-config needs a JSON object with at least model_type (e.g. 'qwen2')")

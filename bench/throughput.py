@@ -3,7 +3,8 @@ transformers on the same prompts in the same process, for a ratio.
 
 Every workload is token ids (exact lengths, identical for both sides), with ignore-EOS semantics: kvserve gets
 `ignore_eos=True`, transformers `min_new_tokens = max_new_tokens`. Presets name the standard workloads:
-`wa` (nano-vllm's benchmark), `wb` (the GPU issue's W-B) and `cpu-smollm2` (the embedded default on a CPU).
+`wa` (nano-vllm's benchmark), `wb` (the GPU issue's W-B), `wl` and `wl-32k` (long prompts, issue 19's W-L)
+and `cpu-smollm2` (the embedded default on a CPU).
 `--model-config` builds a model with random weights from a config (e.g. `qwen2.5-0.5b`), so a host without a
 model hub can run the GPU workloads.
 """
@@ -23,9 +24,14 @@ from bench.contenders import Measurement, kvserve_contender, time_contenders
 from bench.datasets import SYNTHETIC, add_dataset_arguments
 from bench.hf import hf_contenders
 from bench.models import build_random_model, free_device_memory, parse_model_config
-from bench.workloads import Workload, workload_cpu_smollm2, workload_from_dataset, workload_wa, workload_wb
+from bench.workloads import (Workload, workload_cpu_smollm2, workload_from_dataset, workload_wa, workload_wb,
+                             workload_wl)
 
-PRESETS = ("wa", "wb", "cpu-smollm2")
+PRESETS = ("wa", "wb", "wl", "wl-32k", "cpu-smollm2")
+# A preset's engine limits where the user set none: W-L's prompts need a long max_model_len and big chunks.
+PRESET_LIMITS = {"wl": {"max_model_len": 16384, "max_num_batched_tokens": 16384},
+                 "wl-32k": {"max_model_len": 40960, "max_num_batched_tokens": 16384}}
+PRESET_MODELS = {"wa": "qwen2.5-0.5b", "wb": "qwen2.5-0.5b", "wl": "qwen2.5-0.5b", "wl-32k": "qwen2.5-0.5b-40k"}
 HF_METHODS = ("generate", "generate_batch")
 
 
@@ -97,8 +103,10 @@ def print_table(w: Workload, measurements: list[Measurement], repeat: int) -> No
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=PRESETS, default=None,
-                        help="wa / wb: the GPU workloads (default model: random-weight qwen2.5-0.5b); "
-                             "cpu-smollm2: the embedded default on the CPU. A preset replaces the dataset options")
+                        help="wa / wb: the GPU workloads (default model: random-weight qwen2.5-0.5b); wl / wl-32k: "
+                             "64 prompts of 8,192 / 32,768 ids -> 256 tokens (max-model-len 16384 / 40960, "
+                             "max-num-batched-tokens 16384 unless set); cpu-smollm2: the embedded default on the "
+                             "CPU. A preset replaces the dataset options")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the embedded SmolLM2)")
     parser.add_argument("--model-config", default=None,
                         help="build a model with random weights: qwen2.5-0.5b, a config .json file, or inline JSON")
@@ -136,8 +144,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_preset(args: argparse.Namespace) -> None:
-    if args.preset in ("wa", "wb") and args.model is None and args.model_config is None:
-        args.model_config = "qwen2.5-0.5b"
+    """The preset's default model (random weights) and engine limits, where the user chose none. Prefix
+    caching stays off (this command's default) for every preset."""
+    if args.preset in PRESET_MODELS and args.model is None and args.model_config is None:
+        args.model_config = PRESET_MODELS[args.preset]
+    for name, value in PRESET_LIMITS.get(args.preset, {}).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.preset == "cpu-smollm2" and args.device is None:
         args.device = "cpu"
 
@@ -163,6 +176,8 @@ def make_workload(args: argparse.Namespace, model_path: Path) -> Workload:
         return workload_wa()
     if args.preset == "wb":
         return workload_wb()
+    if args.preset in ("wl", "wl-32k"):
+        return workload_wl(vocab_size, 8192 if args.preset == "wl" else 32768)
     if args.preset == "cpu-smollm2":
         return workload_cpu_smollm2(vocab_size)
     tokenizer = None

@@ -1,5 +1,6 @@
 """The offline workloads of `kvserve bench throughput`, as token ids with exact lengths: the presets W-A
-(nano-vllm's benchmark), W-B (the GPU issue's), cpu-smollm2 (the embedded default on a CPU), and any
+(nano-vllm's benchmark), W-B (the GPU issue's), W-L and W-L 32k (long prompts), cpu-smollm2 (the embedded
+default on a CPU), and any
 `--dataset` of bench/datasets.py.
 """
 from __future__ import annotations
@@ -42,6 +43,18 @@ def workload_wb() -> Workload:
     gen = torch.Generator().manual_seed(0)  # the same stream as torch.manual_seed(0), without global state
     prompts = torch.randint(100, 150000, (256, 512), generator=gen).tolist()
     return Workload("W-B", prompts, [128] * 256, temperature=0.0)
+
+
+WL_PROMPTS, WL_OUTPUT = 64, 256
+
+
+def workload_wl(vocab_size: int, prompt_len: int = 8192) -> Workload:
+    """W-L, long prompts (issue 19): 64 prompts of `prompt_len` ids (8,192; W-L 32k: 32,768) drawn as vLLM's
+    random dataset draws them (seed 0, ids from the model's vocabulary), 256 greedy output tokens each: the
+    workload of `--dataset random --random-input-len 8192 --random-output-len 256 --num-prompts 64`."""
+    reqs = random_requests(WL_PROMPTS, prompt_len, WL_OUTPUT, 0.0, seed=0, vocab_size=vocab_size)
+    name = "W-L" if prompt_len == 8192 else f"W-L {prompt_len // 1024}k"
+    return Workload(name, [r.prompt for r in reqs], [r.expected_output_len for r in reqs], 0.0)
 
 
 def workload_cpu_smollm2(vocab_size: int) -> Workload:

@@ -40,6 +40,25 @@ def test_cpu_smollm2_workload_shape():
     assert w.temperature == 0.0 and all(0 <= t < 49152 for p in w.prompts for t in p)
 
 
+def test_wl_is_the_long_prompt_command_of_issue_19():
+    """--preset wl: the workload of `--dataset random --random-input-len 8192 --random-output-len 256
+    --num-prompts 64` on the model's vocabulary, with the engine limits long prompts need, prefix caching off."""
+    args = bt.build_parser().parse_args(["--preset", "wl"])
+    bt.apply_preset(args)
+    assert (args.max_model_len, args.max_num_batched_tokens, args.model_config) == (16384, 16384, "qwen2.5-0.5b")
+    assert bt.engine_options(args, None)["enable_prefix_caching"] is False
+    w = workloads.workload_wl(vocab_size=151936)
+    assert w.name == "W-L" and [len(p) for p in w.prompts] == [8192] * 64 and w.output_lens == [256] * 64
+    same = bt.build_parser().parse_args(["--dataset", "random", "--random-input-len", "8192", "--random-output-len",
+                                         "256", "--num-prompts", "64"])
+    assert workloads.workload_from_dataset(same, None, 151936).prompts == w.prompts
+    long = bt.build_parser().parse_args(["--preset", "wl-32k", "--max-num-batched-tokens", "8192"])
+    bt.apply_preset(long)
+    assert (long.max_model_len, long.max_num_batched_tokens) == (40960, 8192)  # a user's choice stays
+    assert models.parse_model_config(long.model_config)["max_position_embeddings"] == 40960  # 32,768 + 256 fit
+    assert [len(p) for p in workloads.workload_wl(151936, 32768).prompts] == [32768] * 64
+
+
 def test_qwen_shape_has_qwen2_5_0_5bs_parameter_count():
     from transformers import AutoConfig, AutoModelForCausalLM
 
