@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +38,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench import server_procs  # noqa: E402
+from bench.online_report import Load, Run, table, targets  # noqa: E402
 from bench.models import build_random_model, parse_model_config  # noqa: E402
 
 SERVER_LIMITS = ["--max-model-len", "2048", "--max-num-batched-tokens", "16384", "--max-num-seqs", "256"]
@@ -48,30 +49,10 @@ SMOKE_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "h
 
 
 @dataclass
-class Load:
-    name: str
-    num_prompts: int
-    request_rate: float  # inf: all at once
-    max_concurrency: int | None
-    workers: int
-    repeats: int
-
-
-@dataclass
 class Shape:
     input_len: int
     output_len: int
     vocab: int  # prompt ids from [0, vocab)
-
-
-@dataclass
-class Run:
-    system: str
-    load: str
-    repeat: int
-    metrics: dict = field(default_factory=dict)  # bench serve's summary keys
-    error: str = ""
-
 
 @dataclass
 class Clock:
@@ -124,8 +105,6 @@ def bench_serve(url: str, load: Load, shape: Shape, seed: int, out: Path, timeou
 
 
 def _kvserve_env() -> dict:
-    import os
-
     root = str(server_procs.REPO)
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
@@ -172,8 +151,11 @@ def offline_wb(model_dir: Path, args, raw: Path, clock: Clock) -> dict:
                 ["--preset", "wb", *SERVER_LIMITS, "--skip-tokenizer-init", "--repeat", "3"])
     cmd = [sys.executable, "-m", "bench.throughput", "--model", str(model_dir), *workload, "--out", str(out)]
     clock.log(f"kvserve offline: $ {' '.join(cmd)}")
+    env = _kvserve_env()
+    if args.smoke:  # the threads the engine-core process takes on a CPU (engine/core/process.py): a core for
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - 1))  # the rest; all of them spin, loaded
     with open(raw / "offline.log", "w") as log:
-        subprocess.run(cmd, cwd=server_procs.REPO, env=_kvserve_env(), stdout=log, stderr=subprocess.STDOUT,
+        subprocess.run(cmd, cwd=server_procs.REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                        timeout=min(args.offline_timeout_s, clock.left()), check=True)
     summary = json.loads(out.read_text())["results"][0]
     clock.log(f"kvserve offline: {summary['output_tokens_per_second']:,.0f} out tok/s ({summary['name']})")
@@ -199,79 +181,6 @@ def server_phase(name: str, start: Callable[[float], server_procs.ServerProc], l
         clock.log(f"{name}: stopping")
         server_procs.stop(proc)
         clock.log(f"{name}: stopped")
-
-
-# ----------------------------------------------------------------------------------------------- report
-
-
-def median_of(runs: list[Run], system: str, load: str, key: str) -> float | None:
-    values = [r.metrics[key] for r in runs if r.system == system and r.load == load and r.metrics
-              and not r.metrics["failed"]]
-    return statistics.median(values) if values else None
-
-
-def table(runs: list[Run], systems: list[str], loads: list[Load], offline: dict | None) -> tuple[str, dict]:
-    """The printed table (median over repetitions; ratios kvserve / each other system) and its figures."""
-    metrics = (("output_throughput", "out tok/s", "{:,.0f}"), ("median_ttft_ms", "TTFT p50 ms", "{:.1f}"),
-               ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"), ("median_tpot_ms", "TPOT p50 ms", "{:.2f}"))
-    others = systems[1:]
-    head = f"{'load':<14} {'':<12}" + "".join(f"{s:>16}" for s in systems) + "".join(
-        f"{'kvserve/' + s[:8]:>18}" for s in others)
-    lines, figures = [head, "-" * len(head)], {}
-    for load in loads:
-        for key, label, fmt in metrics:
-            vals = {s: median_of(runs, s, load.name, key) for s in systems}
-            figures[f"{load.name}|{key}"] = vals
-            row = f"{load.name if key == 'output_throughput' else '':<14} {label:<12}"
-            row += "".join(f"{fmt.format(v) if v is not None else '-':>16}" for v in vals.values())
-            row += "".join(f"{_ratio(vals[systems[0]], vals[s]):>18}" for s in others)
-            lines.append(row)
-    if offline:
-        rate = offline["output_tokens_per_second"]
-        lines.append(f"kvserve offline ({offline['name']}): {rate:,.0f} out tok/s; server / offline: " + ", ".join(
-            f"{ld.name} {_ratio(figures[f'{ld.name}|output_throughput'][systems[0]], rate)}" for ld in loads
-            if math.isinf(ld.request_rate) and ld.max_concurrency is None))
-    return "\n".join(lines), figures
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a is not None and b else "-"
-
-
-def targets(figures: dict, systems: list[str], offline: dict | None) -> list[str]:
-    """issue 14's "done when", checked on this run's medians."""
-    kv, checks = systems[0], []
-
-    def check(what: str, ok: bool | None) -> None:
-        checks.append(f"{'PASS' if ok else 'FAIL' if ok is not None else 'n/a '}  {what}")
-
-    def fig(load: str, key: str, system: str):
-        return figures.get(f"{load}|{key}", {}).get(system)
-
-    def cmp(a, b, factor=1.0, lower=False):
-        return None if a is None or b is None else (a <= b * factor if lower else a >= b * factor)
-
-    for load in ("256 at once", "1024 at once"):
-        tput = fig(load, "output_throughput", kv)
-        base = offline["output_tokens_per_second"] if offline else None
-        check(f"{load}: kvserve >= 70% of offline W-B", cmp(tput, base, 0.7))
-        for other, factor in (("vLLM", 2.0), ("vLLM x4", 1.5)):
-            if other in systems:
-                check(f"{load}: kvserve >= {factor}x {other}", cmp(tput, fig(load, "output_throughput", other),
-                                                                   factor))
-                check(f"{load}: TTFT p99 and TPOT p50 <= {other}'s", _both(
-                    cmp(fig(load, "p99_ttft_ms", kv), fig(load, "p99_ttft_ms", other), lower=True),
-                    cmp(fig(load, "median_tpot_ms", kv), fig(load, "median_tpot_ms", other), lower=True)))
-    for load in ("40 req/s", "one at a time"):
-        if "vLLM" in systems:
-            check(f"{load}: TTFT p50 and TPOT p50 <= vLLM's", _both(
-                cmp(fig(load, "median_ttft_ms", kv), fig(load, "median_ttft_ms", "vLLM"), lower=True),
-                cmp(fig(load, "median_tpot_ms", kv), fig(load, "median_tpot_ms", "vLLM"), lower=True)))
-    return checks
-
-
-def _both(a: bool | None, b: bool | None) -> bool | None:
-    return None if a is None or b is None else a and b
 
 
 # ------------------------------------------------------------------------------------------------- main
