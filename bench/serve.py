@@ -9,6 +9,7 @@ spreads it over processes (bench/serve_workers.py) so that it is not what limits
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import json
 import math
@@ -146,7 +147,10 @@ async def prepare(args, base_url: str, requests: list[SampleRequest]) -> tuple[s
     """(the model's name, every request's body) after --num-warmups requests; RuntimeError if one fails."""
     extra = json.loads(args.extra_body) if args.extra_body else {}
     async with make_session(base_url, args.api_key, 2, trust_env=args.allow_remote) as session:
-        model = args.model or await first_model(session)
+        try:
+            model = args.model or await asyncio.wait_for(first_model(session), args.request_timeout)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"GET /v1/models timed out after {args.request_timeout:g} s") from None
         bodies = [build_payload(model, r, args.ignore_eos, extra) for r in requests]
         for _ in range(args.num_warmups):
             warm = RequestResult(requests[0].prompt_len, requests[0].expected_output_len)

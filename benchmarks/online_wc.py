@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,10 +97,17 @@ def bench_serve(url: str, load: Load, shape: Shape, seed: int, out: Path, timeou
            "--disable-tqdm", "--result-json", str(out)]
     if load.max_concurrency:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
-    done = subprocess.run(cmd, cwd=server_procs.REPO, capture_output=True, text=True, timeout=timeout_s,
-                          env=_kvserve_env())
-    if done.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench serve failed ({done.returncode}): {done.stderr[-1500:]}")
+    # its own process group: at the timeout its client processes go with it
+    proc = subprocess.Popen(cmd, cwd=server_procs.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_kvserve_env(), start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench serve failed ({proc.returncode}): {stderr[-1500:]}")
     result = json.loads(out.read_text())
     return {k: result[k] for k in SUMMARY_KEYS}
 
@@ -112,15 +120,18 @@ def _kvserve_env() -> dict:
 def measure_system(system: str, url: str, loads: list[Load], shape: Shape, raw: Path, clock: Clock,
                    run_timeout_s: float) -> list[Run]:
     """A short unrecorded warm-up load, then every load; the loads at once alternate, repetition by
-    repetition. A run that fails or no longer fits the deadline is recorded with its reason."""
+    repetition. A run that fails or no longer fits the deadline is recorded with its reason; after a run
+    that timed out the server's remaining runs are skipped (a hung server would time out every one)."""
     warm = Load("warm-up", min(64, loads[0].num_prompts), math.inf, None, 1, 1)
     order = [(load, r) for r in range(max(ld.repeats for ld in loads)) for load in loads if r < load.repeats]
     order.sort(key=lambda lr: math.isinf(lr[0].request_rate) and lr[0].max_concurrency is None, reverse=True)
-    runs = []
+    runs, hung = [], False
     for i, (load, rep) in enumerate([(warm, 0)] + order):
         run = Run(system, load.name, rep)
         timeout = min(run_timeout_s, clock.left() - 5)
-        if timeout < 15:
+        if hung:
+            run.error = "skipped: an earlier run timed out"
+        elif timeout < 15:
             run.error = "skipped: the deadline is near"
         else:
             seed = 1000 * i + rep
@@ -129,6 +140,7 @@ def measure_system(system: str, url: str, loads: list[Load], shape: Shape, raw: 
                 run.metrics = bench_serve(url, load, shape, seed, raw / f"{tag}.json", timeout)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 run.error = f"{type(e).__name__}: {e}"[:2000]
+                hung = isinstance(e, subprocess.TimeoutExpired) or "timed out" in str(e)
         clock.log(f"  {system} | {load.name} #{rep + 1}: " + (run.error or _brief(run.metrics)))
         if load is not warm:
             runs.append(run)
