@@ -39,11 +39,13 @@ def check(result: dict, num: int, out_len: int) -> None:
     assert result["median_tpot_ms"] >= 0 and result["p99_itl_ms"] >= result["median_itl_ms"] >= 0
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_workers_complete_and_merge_in_the_runs_order(stub_url, tmp_path, workers):
+@pytest.mark.parametrize("workers", [1, 4])
+def test_workers_complete_and_merge_in_the_runs_order(stub_url, tmp_path, workers, record_property):
     common = ["--num-prompts", "40", "--random-input-len", "8", "--random-output-len", "30",
               "--random-range-ratio", "0.5", "--num-workers", str(workers)]
     result = run(stub_url, tmp_path, f"all{workers}", *common)
+    # Recorded, not asserted (a shared CI host's speed varies); benchmarks/bench_client_ceiling.py measures it.
+    record_property("streamed_tokens_per_s", result["output_throughput"])
     lens = result["expected_output_lens"]
     assert result["completed"] == 40 and result["output_lens"] == lens and result["num_workers"] == workers
     # The stub reports usage.prompt_tokens = the ids sent: request i's result sits at i, whichever process sent it.
