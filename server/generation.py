@@ -40,6 +40,7 @@ class Generation:
     def __init__(self, owner, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  timeout: float | None, tokenizer, stream_interval: int = 1):
         self.owner = owner
+        self.core = 0  # which engine core runs it (with --data-parallel-size N)
         self.request_id = request_id
         self.params = params
         self.arrival = time.monotonic()
@@ -150,7 +151,7 @@ class Generation:
             cut = stop[1]
             tokens, logprobs = tokens[:cut], (logprobs[:cut] if logprobs else logprobs)
             if reason is None:
-                self.owner.send(AbortRequests([completion_id(comp.engine_id, comp.index, self.params.n)]))
+                self.owner.send(AbortRequests([completion_id(comp.engine_id, comp.index, self.params.n)]), self.core)
             return self._finish(comp, FinishReason.STOP, stop[0], text, tokens, logprobs)
         if reason is not None:
             return self._finish(comp, reason, last.stop_reason, text, tokens, logprobs)
@@ -212,7 +213,7 @@ class Generation:
         for rid in list(self.waiting_first):
             self.got_first_token(rid)
         if self.unfinished:
-            self.owner.send(AbortRequests(list(self.engine_ids)))
+            self.owner.send(AbortRequests(list(self.engine_ids)), self.core)
             self.owner.metrics.finished.labels("abort").inc(len(self.unfinished))
         self.owner.forget(self)
 
