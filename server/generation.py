@@ -40,6 +40,7 @@ class Generation:
     def __init__(self, owner, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  timeout: float | None, tokenizer, stream_interval: int = 1):
         self.owner = owner
+        self.core = 0  # which engine core runs it (with --data-parallel-size N)
         self.request_id = request_id
         self.params = params
         self.arrival = time.monotonic()
@@ -86,8 +87,16 @@ class Generation:
             self.close()
 
     async def _next_deltas(self) -> list[TokenDelta] | None:
-        """Every delta waiting (at least one), or None once Closed."""
-        item = await self.wait_within_deadline(self.queue.get())
+        """Every delta waiting (at least one), or None once Closed. Hot path: when deltas are already waiting
+        (a stream behind the engine) they are taken without arming a timer (a Timeout per chunk was a tenth
+        of a front end's time), and the deadline is checked by hand."""
+        if self.queue.empty():
+            item = await self.wait_within_deadline(self.queue.get())
+        else:
+            deadline = self._deadline()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise self._timed_out(deadline)
+            item = self.queue.get_nowait()
         deltas: list[TokenDelta] = []
         while True:
             if isinstance(item, BaseException):
@@ -142,7 +151,7 @@ class Generation:
             cut = stop[1]
             tokens, logprobs = tokens[:cut], (logprobs[:cut] if logprobs else logprobs)
             if reason is None:
-                self.owner.send(AbortRequests([completion_id(comp.engine_id, comp.index, self.params.n)]))
+                self.owner.send(AbortRequests([completion_id(comp.engine_id, comp.index, self.params.n)]), self.core)
             return self._finish(comp, FinishReason.STOP, stop[0], text, tokens, logprobs)
         if reason is not None:
             return self._finish(comp, reason, last.stop_reason, text, tokens, logprobs)
@@ -173,20 +182,28 @@ class Generation:
         return StepOutput(comp.engine_id, comp.index, tokens, text, logprobs, reason, stop_reason, None,
                           len(self.prompts[comp.engine_id]), comp.num_cached)
 
-    async def wait_within_deadline(self, awaitable):
+    def _deadline(self) -> float | None:
+        """The earliest limit now in force: the total one, and the queue one until the first token."""
         deadline = self.deadline
         if self.waiting_first and self.queue_deadline is not None:
             deadline = self.queue_deadline if deadline is None else min(deadline, self.queue_deadline)
+        return deadline
+
+    async def wait_within_deadline(self, awaitable):
+        deadline = self._deadline()
         if deadline is None:
             return await awaitable
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 return await awaitable
         except TimeoutError:
-            queue = bool(self.waiting_first) and deadline == self.queue_deadline
-            self.owner.metrics.timeouts.labels("queue" if queue else "total").inc()
-            what = "queue time (no first token)" if queue else "total time"
-            raise APIError(408, f"request exceeded its {what} limit and was aborted", "timeout") from None
+            raise self._timed_out(deadline) from None
+
+    def _timed_out(self, deadline: float) -> APIError:
+        queue = bool(self.waiting_first) and deadline == self.queue_deadline
+        self.owner.metrics.timeouts.labels("queue" if queue else "total").inc()
+        what = "queue time (no first token)" if queue else "total time"
+        return APIError(408, f"request exceeded its {what} limit and was aborted", "timeout")
 
     def close(self) -> None:
         """Idempotent: abort whatever has not finished, give back the waiting-queue budget."""
@@ -196,7 +213,7 @@ class Generation:
         for rid in list(self.waiting_first):
             self.got_first_token(rid)
         if self.unfinished:
-            self.owner.send(AbortRequests(list(self.engine_ids)))
+            self.owner.send(AbortRequests(list(self.engine_ids)), self.core)
             self.owner.metrics.finished.labels("abort").inc(len(self.unfinished))
         self.owner.forget(self)
 

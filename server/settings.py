@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from engine.config import BACKENDS, DEVICES, DTYPES, EngineConfig, need
+from server.dispatch import POLICIES as DISPATCH_POLICIES
 
 logger = logging.getLogger("kvserve.server")
 
@@ -49,6 +50,8 @@ class ServerSettings:
     log_level: str = "info"
     api_server_count: int | None = None  # None: default_api_server_count()
     stream_interval: int = 1
+    data_parallel_size: int = 1
+    data_parallel_dispatch: str = "affinity"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +74,9 @@ class ServerSettings:
         need(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}")
         need(self.api_server_count is None or 1 <= self.api_server_count <= 64, "api_server_count must be in [1, 64]")
         need(self.stream_interval >= 1, "stream_interval must be >= 1")
+        need(1 <= self.data_parallel_size <= 64, "data_parallel_size must be in [1, 64]")
+        need(self.data_parallel_dispatch in DISPATCH_POLICIES,
+             f"data_parallel_dispatch must be one of {DISPATCH_POLICIES}")
 
     @property
     def num_api_servers(self) -> int:
@@ -130,6 +136,10 @@ SERVER_HELP = {
     "log_level": f"log level {LOG_LEVELS}",
     "api_server_count": "HTTP front-end processes sharing the one engine core (each stream is served by one); "
                         "default: cores // 4, between 1 and 4",
+    "data_parallel_size": "engine-core processes, each a whole copy of the model (one GPU each on CUDA); every "
+                          "front end sends each request to one of them",
+    "data_parallel_dispatch": "how requests are spread over the engine cores: affinity (the core that has the "
+                              "prompt's prefix cached, unless it is much busier) or round_robin",
     "stream_interval": "tokens per SSE chunk of a completion (the last chunk may hold fewer); a stream that "
                        "falls behind gets every waiting token in one chunk whatever this is",
 }

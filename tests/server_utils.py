@@ -81,6 +81,8 @@ class FaultyEngine:
 
         def slow_step():
             faults.steps += 1
+            if not engine.has_unfinished_requests():
+                return step()  # the core's idle check: faults are for steps that run requests
             _leak(engine.scheduler.pool, faults.leak_blocks, leaked)
             if faults.step_delay:
                 time.sleep(faults.step_delay)
@@ -138,12 +140,12 @@ class ServerThread:
         import uvicorn
 
         from engine.core.process import CoreAddresses, EngineCoreSpec, start_engine_core
-        from server.engine_client import CoreConnection
+        from server.engine_client import CoreConnection, CoreEndpoint
         from server.frontend import DrainingServer, FrontendSpec, build_frontend, uvicorn_config
 
         addresses = CoreAddresses.new(1)
         self.core = start_engine_core(EngineCoreSpec(self.engine_config, addresses, "warning", self.engine_factory))
-        spec = FrontendSpec(self.settings, CoreConnection(addresses, 0, self.core.core_alive), self.engine_config.model)
+        spec = FrontendSpec(self.settings, CoreConnection([CoreEndpoint(addresses, self.core.core_alive)]), self.engine_config.model)
         self.aengine, self.app = build_frontend(spec)
         config = uvicorn_config(self.app, self.settings)
         if self.draining:

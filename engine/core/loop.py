@@ -205,9 +205,13 @@ class EngineCore:
         self.routes.clear()
 
     def _on_idle(self) -> None:
-        """Busy -> idle: one empty step lets the engine check its idle invariant (and trim memory)."""
+        """Busy -> idle: one empty step lets the engine check its idle invariant (and trim memory). It runs no
+        request, so a failure here is logged and the core goes on."""
         self.busy = False
-        self.engine.step()
+        try:
+            self.engine.step()
+        except Exception:
+            logger.exception("the idle check step failed")
 
     def _shutdown(self) -> None:
         for rid in list(self.routes):

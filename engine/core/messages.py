@@ -97,6 +97,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True, gc=False):
     backend: str
     num_kv_blocks: int
     stats: CoreStats
+    block_size: int = 16
 
 
 class LoadFailed(msgspec.Struct, tag=True, array_like=True, gc=False):

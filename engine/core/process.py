@@ -49,6 +49,7 @@ class EngineCoreSpec:
     # engine_factory(config) -> engine; tests wrap the engine to inject faults. None: LLMEngine.
     engine_factory: Callable | None = None
     env: dict[str, str] = field(default_factory=dict)  # set in the core before anything is imported
+    cpu_threads: int | None = None  # torch threads on the CPU (None: one fewer than the cores)
 
 
 @dataclass
@@ -150,7 +151,8 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec):
 
     freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
     ready = Ready(str(engine.model_path), engine.tokenizer_path, engine.vocab_size, engine.max_model_len,
-                  str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine))
+                  str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine),
+                  spec.engine_config.block_size)
     for sock in outboxes:
         sock.send(codec.encode(ready))
     logger.info("model loaded in %.1f s: the engine core is ready", time.monotonic() - start)
@@ -167,7 +169,7 @@ def _build(spec: EngineCoreSpec):
     from engine.engine import LLMEngine
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(spec.cpu_threads or max(1, (os.cpu_count() or 1) - 1))
     engine = (spec.engine_factory or LLMEngine)(spec.engine_config)
     if engine.device.type != "cpu":  # a GPU engine keeps torch's default
         torch.set_num_threads(threads)
