@@ -14,7 +14,6 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from engine.request import RequestError, SamplingParams
 from server.errors import APIError
 
-MAX_LOGIT_BIAS_ENTRIES = 1024
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
@@ -134,6 +133,11 @@ class Limits:
     max_stop_sequences: int
     max_stop_length: int
     max_tokens_cap: int | None
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024
+    max_messages: int = 1024
+    max_response_logprobs: int = 1 << 18
+    max_model_len: int | None = None  # what an omitted max_tokens may reach (for the response-size cap)
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -150,17 +154,29 @@ def _check_stop(stop: list[str], limits: Limits) -> None:
             raise _bad("stop", f"stop strings are at most {limits.max_stop_length} characters")
 
 
-def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+def _logit_bias(raw: dict[str, float] | None, limits: Limits) -> dict[int, float] | None:
     if not raw:
         return None
-    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
-        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    vocab_size = limits.vocab_size
+    if len(raw) > limits.max_logit_bias:
+        raise _bad("logit_bias", f"at most {limits.max_logit_bias} entries on this server")
     out = {}
     for key, value in raw.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 12 and int(key) < vocab_size):
             raise _bad("logit_bias", f"keys must be token ids in [0, {vocab_size})")
         out[int(key)] = value
     return out
+
+
+def check_response_size(n: int, max_tokens: int | None, logprobs: int | None, limits: Limits) -> None:
+    """n x max_tokens x (logprobs + 1) logprob entries (~60 bytes of JSON each) must stay under the cap."""
+    tokens = max_tokens if max_tokens is not None else limits.max_model_len
+    if logprobs is None or tokens is None:
+        return
+    entries = n * tokens * (logprobs + 1)
+    if entries > limits.max_response_logprobs:
+        raise _bad("logprobs", f"n x max_tokens x (logprobs + 1) is {entries}, over this server's "
+                               f"{limits.max_response_logprobs}: lower n, max_tokens or logprobs")
 
 
 def _check_token_ids(ids: list[int] | None, vocab_size: int, param: str) -> None:
@@ -197,14 +213,18 @@ def sampling_params(req: _SamplingFields, limits: Limits, max_tokens: int | None
         raise _bad("stream_options", "is only allowed with stream: true")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     _check_stop(stop, limits)
+    if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop_token_ids:
+        raise _bad("stop_token_ids", f"at most {limits.max_stop_token_ids} on this server")
     _check_token_ids(req.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    max_tokens = _max_tokens(max_tokens, default_max_tokens, limits)
+    check_response_size(req.n, max_tokens, logprobs, limits)
     try:
         return SamplingParams(
             n=req.n, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, -1),
             min_p=_or(req.min_p, 0.0), seed=req.seed, presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0), repetition_penalty=_or(req.repetition_penalty, 1.0),
-            logit_bias=_logit_bias(req.logit_bias, limits.vocab_size), min_tokens=_or(req.min_tokens, 0),
-            max_tokens=_max_tokens(max_tokens, default_max_tokens, limits), ignore_eos=bool(req.ignore_eos), stop=stop,
+            logit_bias=_logit_bias(req.logit_bias, limits), min_tokens=_or(req.min_tokens, 0),
+            max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop=stop,
             stop_token_ids=list(req.stop_token_ids or []),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logprobs=logprobs, skip_special_tokens=_or(req.skip_special_tokens, True))

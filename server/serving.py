@@ -7,6 +7,7 @@ SSE `data: {"error": ...}` event followed by `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.request import FinishReason, StepOutput, TokenLogprob
 from server.engine_client import EngineClient
+from server import prompts
 from server.generation import Generation
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, Limits, check_prompt_ids, message_dicts
@@ -36,10 +38,26 @@ class ServingContext:
     max_prompt_tokens: int
     executor: ThreadPoolExecutor  # tokenization, off the event loop
     log_requests: bool = False
+    model_names: tuple[str, ...] = ()  # every name a request may use (model_name first)
+    max_prompt_chars: int = 1 << 62  # max_prompt_tokens x the longest token's characters
+    parse_special_tokens: bool = False  # in chat message text (chat_parse_special_tokens)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def run_for(self, request, fn, *args):
+        """run(), dropped if its client hangs up first (queued work never starts: ClientGone)."""
+        done = []
+        result = await unless_disconnected(request, self._tagged(done, fn, *args))
+        if not done:
+            raise ClientGone()
+        return result
+
+    async def _tagged(self, done: list, fn, *args):
+        result = await self.run(fn, *args)
+        done.append(True)
+        return result
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:  # skip_tokenizer_init: vLLM's spelling of a token without text
@@ -54,6 +72,33 @@ class ServingContext:
             raise APIError(400, f"{what} needs a tokenizer, and this server runs without one "
                                 "(skip_tokenizer_init): send token ids", "unsupported")
         return self.tokenizer
+
+
+async def until_disconnected(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request, coro):
+    """Await `coro`, cancelling it (so its generation aborts) if the client hangs up first."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return None
+
+
+class ClientGone(Exception):
+    """The client hung up before its response began: nothing to send (answered 499, logged at debug)."""
 
 
 @dataclass
@@ -284,17 +329,18 @@ def tokenize_texts(ctx: ServingContext, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
-def apply_chat_template(ctx: ServingContext, req: ChatCompletionRequest | object) -> list[int]:
+def chat_prompt(ctx: ServingContext, req) -> list[int]:
+    """The token ids of a chat request's messages (prompts.chat_ids), after the cheap checks."""
     tok = ctx.need_tokenizer("chat")
-    if not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "unsupported")
-    try:
-        text = tok.apply_chat_template(message_dicts(req.messages), tokenize=False,
-                                       add_generation_prompt=getattr(req, "add_generation_prompt", True))
-    except Exception as exc:  # jinja's raise_exception(...) in a template: the messages broke its rules
-        raise APIError(400, f"messages: the chat template refused them: {exc}", "invalid_value", "messages")
-    return tok.encode(text, add_special_tokens=False)
+    messages = message_dicts(req.messages)
+    if len(messages) > ctx.limits.max_messages:
+        raise APIError(400, f"messages: at most {ctx.limits.max_messages} on this server", "invalid_value",
+                       "messages")
+    chars = prompts.message_chars(messages)
+    if chars > ctx.max_prompt_chars:
+        raise prompts.too_long(chars, ctx.max_prompt_tokens, "messages")
+    return prompts.chat_ids(tok, messages, getattr(req, "add_generation_prompt", True), ctx.parse_special_tokens)
 
 
-def prompt_check(ctx: ServingContext, prompts: list[list[int]]) -> None:
-    check_prompt_ids(prompts, ctx.limits.vocab_size, ctx.max_prompt_tokens)
+def prompt_check(ctx: ServingContext, prompts_ids: list[list[int]]) -> None:
+    check_prompt_ids(prompts_ids, ctx.limits.vocab_size, ctx.max_prompt_tokens)

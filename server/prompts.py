@@ -1,0 +1,99 @@
+"""Prompts -> token ids: the cheap checks first, then tokenization (in ServingContext's thread pool).
+
+Cheap before expensive: no token is longer than the tokenizer's longest vocabulary entry (81 characters for
+SmolLM2's), so a text longer than max_prompt_tokens x that many characters cannot fit and is refused from
+its length alone, before it is tokenized (4 MB of "1" took 6-16 s to tokenize; its refusal now takes no time).
+
+Chat messages: the template's own text is tokenized with its control tokens, message text with special tokens
+split (`<|im_start|>` written by a user is eight ordinary tokens), so a user cannot open a system turn. The
+template is rendered once with the messages and once with placeholders; the pieces between placeholders are
+the template's. A template that rewrites message text (so the placeholders do not line up) falls back to
+tokenizing the whole text, and then message text that holds a control token is refused.
+chat_parse_special_tokens turns all of this off for trusted callers.
+"""
+from __future__ import annotations
+
+from server.errors import APIError
+from server.protocol import message_dicts
+
+MARK = "\ue000kvserve-message-{}\ue001"  # private-use characters: no template writes them
+
+
+def max_token_chars(tokenizer) -> int:
+    """Characters in the longest vocabulary entry (an upper bound on the text one token covers)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return 1 << 10
+    return max(map(len, vocab), default=1)
+
+
+def too_long(chars: int, max_prompt_tokens: int, param: str) -> APIError:
+    return APIError(400, f"{param} is {chars} characters, more than {max_prompt_tokens} tokens (the most allowed) "
+                         "can hold", "context_length_exceeded", param)
+
+
+def check_chars(texts: list[str], max_chars: int, max_prompt_tokens: int, param: str = "prompt") -> None:
+    for text in texts:
+        if len(text) > max_chars:
+            raise too_long(len(text), max_prompt_tokens, param)
+
+
+def message_chars(messages: list[dict]) -> int:
+    return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
+
+
+def render(tok, messages: list[dict], add_generation_prompt: bool) -> str:
+    if not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "unsupported")
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja's raise_exception(...) in a template: the messages broke its rules
+        raise APIError(400, f"messages: the chat template refused them: {exc}", "invalid_value", "messages")
+
+
+def chat_ids(tok, messages: list[dict], add_generation_prompt: bool, parse_special: bool) -> list[int]:
+    """The prompt of a chat request (see the module docstring)."""
+    text = render(tok, messages, add_generation_prompt)
+    if parse_special:
+        return tok.encode(text, add_special_tokens=False)
+    pieces = _template_pieces(tok, messages, add_generation_prompt, text)
+    if pieces is None:
+        _refuse_control_tokens(tok, messages)
+        return tok.encode(text, add_special_tokens=False)
+    ids: list[int] = []
+    for template_text, content in pieces:
+        ids += tok.encode(template_text, add_special_tokens=False) if template_text else []
+        ids += tok.encode(content, add_special_tokens=False, split_special_tokens=True) if content else []
+    return ids
+
+
+def _template_pieces(tok, messages: list[dict], add_generation_prompt: bool, text: str):
+    """[(template text, message text that follows it), ...] covering `text`, or None if they do not line up."""
+    marks = [MARK.format(i) for i in range(len(messages))]
+    masked = render(tok, [{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
+    found = sorted((masked.find(mark), i) for i, mark in enumerate(marks) if masked.count(mark) == 1)
+    if len(found) != len(marks):
+        return None
+    pieces, start = [], 0
+    for pos, i in found:
+        pieces.append((masked[start:pos], messages[i]["content"]))
+        start = pos + len(marks[i])
+    pieces.append((masked[start:], ""))
+    if "".join(a + b for a, b in pieces) != text:
+        return None
+    return pieces
+
+
+def _refuse_control_tokens(tok, messages: list[dict]) -> None:
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    specials = [t.content for t in added.values() if getattr(t, "special", False) and t.content]
+    specials = specials or [t for t in getattr(tok, "all_special_tokens", []) if t]
+    for m in messages:
+        if any(s in m["content"] or s in m.get("name", "") for s in specials):
+            raise APIError(400, "messages: text may not contain the model's control tokens", "invalid_value",
+                           "messages")
+
+
+def chat_request_ids(tok, req, parse_special: bool) -> list[int]:
+    return chat_ids(tok, message_dicts(req.messages), getattr(req, "add_generation_prompt", True), parse_special)
