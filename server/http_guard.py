@@ -8,9 +8,10 @@ Transfer-Encoding: chunked and keeps the connection open (request smuggling, RFC
 GuardedProtocol adds each of these, per connection, with timers on the event loop:
 
 - connections beyond `max_connections` get a 503 and are closed at once (counted, one warning a minute);
-- the headers of a request must arrive within `header_timeout` of the connection opening or of the previous
-  response ending (then 408 and close); its body within `body_timeout` of its headers (then the connection
-  closes: the handler sees a disconnect);
+- the headers of a request must arrive within `header_timeout` of the connection opening, or of the first
+  byte of a later request on a kept-alive connection (then 408 and close); its body within `body_timeout` of
+  its headers (then the connection closes: the handler sees a disconnect). Between requests, uvicorn's
+  keep-alive timeout closes an idle connection;
 - a connection whose writes stay blocked (the client reads nothing) for `write_timeout` is aborted (RST: a
   close would wait for a flush that never comes), which ends its response and aborts its request;
 - Content-Length with Transfer-Encoding is refused with 400 and the connection closed.
@@ -150,6 +151,8 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["extensions"] = {"kvserve.abort": self.abort}
+        if self._timer is None:  # a later request on this connection: its headers get header_timeout too
+            self._arm(self.limits.header_timeout, self._headers_late)
 
     def on_headers_complete(self) -> None:
         self._disarm()
@@ -170,11 +173,6 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._disarm()
         super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and not self.pipeline:
-            self._arm(self.limits.header_timeout, self._headers_late)
 
     # ---- writes -------------------------------------------------------------------------------------------
     def pause_writing(self) -> None:
