@@ -4,11 +4,12 @@ Cheap before expensive: no token is longer than the tokenizer's longest vocabula
 SmolLM2's), so a text longer than max_prompt_tokens x that many characters cannot fit and is refused from
 its length alone, before it is tokenized (4 MB of "1" took 6-16 s to tokenize; its refusal now takes no time).
 
-Chat messages: the template's own text is tokenized with its control tokens, message text with special tokens
-split (`<|im_start|>` written by a user is eight ordinary tokens), so a user cannot open a system turn. The
-template is rendered once with the messages and once with placeholders; the pieces between placeholders are
-the template's. A template that rewrites message text (so the placeholders do not line up) falls back to
-tokenizing the whole text, and then message text that holds a control token is refused.
+Chat messages: message text is tokenized as text (`<|im_start|>` written by a user is eight ordinary tokens),
+so a user cannot open a system turn; only the template's own text has control tokens. Messages without any
+control-token string (nearly all) are tokenized as one text, exactly as before. Otherwise the template is
+rendered once more with placeholders for the messages: the pieces between placeholders are the template's
+(tokenized with their control tokens), the messages are tokenized with special tokens split. A template that
+rewrites message text (so the placeholders do not line up) cannot be split so: such a request is refused.
 chat_parse_special_tokens turns all of this off for trusted callers.
 """
 from __future__ import annotations
@@ -55,12 +56,12 @@ def render(tok, messages: list[dict], add_generation_prompt: bool) -> str:
 def chat_ids(tok, messages: list[dict], add_generation_prompt: bool, parse_special: bool) -> list[int]:
     """The prompt of a chat request (see the module docstring)."""
     text = render(tok, messages, add_generation_prompt)
-    if parse_special:
+    if parse_special or not _has_control_tokens(tok, messages):
         return tok.encode(text, add_special_tokens=False)
     pieces = _template_pieces(tok, messages, add_generation_prompt, text)
     if pieces is None:
-        _refuse_control_tokens(tok, messages)
-        return tok.encode(text, add_special_tokens=False)
+        raise APIError(400, "messages: text may not contain the model's control tokens", "invalid_value",
+                       "messages")
     ids: list[int] = []
     for template_text, content in pieces:
         ids += tok.encode(template_text, add_special_tokens=False) if template_text else []
@@ -85,14 +86,11 @@ def _template_pieces(tok, messages: list[dict], add_generation_prompt: bool, tex
     return pieces
 
 
-def _refuse_control_tokens(tok, messages: list[dict]) -> None:
+def _has_control_tokens(tok, messages: list[dict]) -> bool:
     added = getattr(tok, "added_tokens_decoder", {}) or {}
     specials = [t.content for t in added.values() if getattr(t, "special", False) and t.content]
     specials = specials or [t for t in getattr(tok, "all_special_tokens", []) if t]
-    for m in messages:
-        if any(s in m["content"] or s in m.get("name", "") for s in specials):
-            raise APIError(400, "messages: text may not contain the model's control tokens", "invalid_value",
-                           "messages")
+    return any(s in m["content"] or s in m.get("name", "") for m in messages for s in specials)
 
 
 def chat_request_ids(tok, req, parse_special: bool) -> list[int]:
