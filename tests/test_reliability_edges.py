@@ -298,3 +298,31 @@ def test_trusted_callers_may_keep_control_tokens_in_chat_text(smollm2_tokenizer)
     split = chat_ids(smollm2_tokenizer, messages, True, parse_special=False)
     trusted = chat_ids(smollm2_tokenizer, messages, True, parse_special=True)
     assert trusted.count(1) == split.count(1) + 1
+
+
+def test_tokenization_still_queued_when_its_client_leaves_never_runs():
+    """(3) The pool's queued work is dropped on a hang-up: with the one worker busy, a request whose client
+    leaves gets ClientGone and its tokenization never starts."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.serving import ClientGone, ServingContext
+
+    ran = []
+
+    class Hangs:
+        async def receive(self):
+            await asyncio.sleep(0.1)
+            return {"type": "http.disconnect"}
+
+    async def scenario():
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            ctx = ServingContext(None, None, "m", None, 16, pool)
+            busy = asyncio.ensure_future(ctx.run(time.sleep, 0.5))
+            with pytest.raises(ClientGone):
+                await ctx.run_for(Hangs(), lambda: ran.append("tokenized"))
+            await busy
+            await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    assert ran == []
