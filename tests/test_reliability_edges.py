@@ -161,8 +161,9 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(edge):
 
 
 def test_a_stream_never_read_ends_at_its_deadline_and_frees_its_blocks(edge):
-    """A client that reads nothing: the server's writes block, yet the 3 s request deadline still ends the
-    stream (its connection dropped a second later) and every KV block is free again."""
+    """A client that reads nothing (4 KiB receive buffer): the 3 s request deadline still ends the stream and
+    its connection, and every KV block is free again. (Whether the server's writes block before the deadline
+    depends on how fast the CPU fills the socket buffers; tests/test_http_guard.py blocks them for sure.)"""
     s = connect(edge.port, rcvbuf=4096)
     body = (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "n": 8, "max_tokens": 450, '
             b'"logprobs": true, "top_logprobs": 20, "ignore_eos": true}')
@@ -178,7 +179,7 @@ def test_a_stream_never_read_ends_at_its_deadline_and_frees_its_blocks(edge):
         time.sleep(0.2)
     m = wait_idle(edge.base)
     assert m["kvserve_kv_blocks_used"] == 0 and m["kvserve_requests_running"] == 0
-    assert time.monotonic() - start < 8
+    assert time.monotonic() - start < 12
     assert closed_by_server(s, within=5) is not None, "the connection outlived its request"
     s.close()
 
