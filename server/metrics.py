@@ -2,7 +2,8 @@
 
 Engine-side numbers (queue lengths, KV blocks, prefix cache, token counters) are read at scrape time from the
 latest CoreStats the engine core sent (every step, and every 0.25 s while idle); latencies and finishes are
-observed by the front end as outputs arrive.
+observed by the front end as outputs arrive. Beside them, the vLLM-named series routers and autoscalers read
+(server/metrics_vllm.py), from the same numbers.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from server.metrics_vllm import VllmEngineCollector, VllmRequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -54,7 +57,9 @@ class ServerMetrics:
 
     def __init__(self, snapshot: Callable[[], object], multiprocess_dir: str | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
-        self._engine = _EngineStatsCollector(snapshot)
+        self.vllm = VllmRequestMetrics(self.registry)
+        self._engine = (_EngineStatsCollector(snapshot),
+                        VllmEngineCollector(lambda: {0: snapshot()}, lambda: self.vllm.model_name))
         self._render_registry = self._rendering(multiprocess_dir)
         r = self.registry
         self.finished = Counter("kvserve_requests_finished", "completions finished, by reason", ["reason"],
@@ -77,13 +82,15 @@ class ServerMetrics:
 
     def _rendering(self, multiprocess_dir: str | None) -> CollectorRegistry:
         if multiprocess_dir is None:
-            self.registry.register(self._engine)
+            for collector in self._engine:
+                self.registry.register(collector)
             return self.registry
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry(auto_describe=False)
         multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)
-        registry.register(self._engine)
+        for collector in self._engine:
+            registry.register(collector)
         return registry
 
     def render(self) -> bytes:
