@@ -10,6 +10,8 @@ core's index, "0" with one core).
   prefix-cache blocks count as free, as in vLLM's BlockPool.get_usage.
 - vllm:prefix_cache_queries, vllm:prefix_cache_hits (counters, *_total): prompt tokens looked up in / found in
   the prefix cache. (kvserve also counts a preempted request's second lookup, which vLLM leaves out.)
+- vllm:num_preemptions, vllm:prompt_tokens, vllm:generation_tokens (counters, *_total): preemptions, prompt
+  tokens admitted, tokens generated.
 - vllm:time_to_first_token_seconds (histogram): arrival to the end of the step that made the first token.
 - vllm:inter_token_latency_seconds (histogram): between one step's tokens of a completion and the next's.
 - vllm:request_time_per_output_token_seconds (histogram): per finished completion, (last token - first token)
@@ -45,7 +47,10 @@ _GAUGES = (("vllm:num_requests_running", "Number of requests in model execution 
 _COUNTERS = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
               "prefix_cache_queries"),
              ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-              "prefix_cache_hits"))
+              "prefix_cache_hits"),
+             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+             ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens_total"),
+             ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens_total"))
 
 
 def kv_cache_usage(stats) -> float:

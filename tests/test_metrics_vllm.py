@@ -23,6 +23,9 @@ VLLM_SERIES = {
     "vllm:kv_cache_usage_perc": "gauge",
     "vllm:prefix_cache_queries": "counter",
     "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
     "vllm:request_success": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
@@ -89,6 +92,8 @@ def test_series_move_with_requests_and_agree_with_ours(model_dir):
     assert moved[f"vllm:time_per_output_token_seconds_count{{{L}}}"] == 2 * 5
     assert moved[f"vllm:prefix_cache_queries_total{{{L}}}"] == 2 * 80
     assert moved[f"vllm:prefix_cache_hits_total{{{L}}}"] >= 64  # the second request found the first's blocks
+    assert moved[f"vllm:prompt_tokens_total{{{L}}}"] == 2 * 80
+    assert moved[f"vllm:generation_tokens_total{{{L}}}"] == 2 * 6
     assert after[f"vllm:prefix_cache_hits_total{{{L}}}"] == after["kvserve_prefix_cache_hits_total"]
     assert after[f"vllm:e2e_request_latency_seconds_sum{{{L}}}"] == pytest.approx(
         after["kvserve_e2e_request_latency_seconds_sum"])
