@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from server.errors import APIError
 from server.ray_router import PrefixAffinityRouter
 
 PASSED_HEADERS = ("retry-after", "cache-control", "x-request-id")
@@ -170,7 +171,11 @@ class KvserveIngress:
         key = prefix_key(body, self.prefix_chars) if keyed else None
         stream = self.replicas.options(stream=True).generate.remote(
             ProxyRequest(request.method, request.url.path, body, headers, key))
-        head: ResponseHead = await stream.__anext__()
+        try:
+            head: ResponseHead = await stream.__anext__()
+        except Exception as exc:  # the replica died or its kvserve is unreachable: retryable, OpenAI-shaped
+            return APIError(503, f"the replica failed: {type(exc).__name__}", "engine_dead",
+                            headers={"Retry-After": "1"}).response()
         return StreamingResponse(stream, status_code=head.status, headers={**head.headers,
                                                                             "x-kvserve-replica": head.replica})
 

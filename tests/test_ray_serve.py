@@ -130,7 +130,8 @@ def test_killing_one_replica_leaves_the_other_serving(cluster):
     gone, alive = psutil.wait_procs([child], timeout=60)
     assert not alive, "the killed replica's kvserve is still running"
     deadline = time.monotonic() + 30
-    while complete(cluster, "probe").status_code != 200:  # until the routers drop the dead replica
+    while (probe := complete(cluster, "probe")).status_code != 200:  # until the routers drop the dead replica
+        assert probe.status_code == 503 and probe.json()["error"]["code"] == "engine_dead", probe.text
         assert time.monotonic() < deadline, "no replica answered after one was killed"
         time.sleep(0.5)
     for prefix in PREFIXES:  # the killed replica's prefixes included
