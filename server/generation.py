@@ -195,7 +195,7 @@ class Generation:
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             metrics.e2e.observe(e2e)
         times = self._token_times.get(f"{comp.engine_id}#{comp.index}")
-        metrics.vllm.finished(reason.value, e2e, times.time_per_output_token() if times else 0.0)
+        metrics.vllm.finished(reason.value, e2e, times.time_per_output_token() if times else 0.0, self.core)
         return StepOutput(comp.engine_id, comp.index, tokens, text, logprobs, reason, stop_reason, None,
                           len(self.prompts[comp.engine_id]), comp.num_cached)
 
@@ -253,7 +253,7 @@ class Generation:
             if rid in self.waiting_first:
                 self.got_first_token(rid)
                 m.ttft.observe(step_end - self.arrival)
-                m.vllm.first_token(step_end - self.arrival)
+                m.vllm.first_token(step_end - self.arrival, self.core)
                 m.queue_time.observe(max(0.0, step_start - self.arrival))
             self._observe_token_gap(f"{rid}#{d.index}", len(d.token_ids), step_end)
         self.queue.put_nowait(deltas)
@@ -264,7 +264,7 @@ class Generation:
             self._token_times[key] = TokenTimes(step_end, count)
             return
         self.owner.metrics.itl.observe(step_end - times.last)
-        self.owner.metrics.vllm.token_gap(step_end - times.last)
+        self.owner.metrics.vllm.token_gap(step_end - times.last, self.core)
         times.last = step_end
         times.count += count
 

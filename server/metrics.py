@@ -7,7 +7,7 @@ observed by the front end as outputs arrive. Beside them, the vLLM-named series 
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -58,8 +58,9 @@ class ServerMetrics:
     def __init__(self, snapshot: Callable[[], object], multiprocess_dir: str | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         self.vllm = VllmRequestMetrics(self.registry)
+        self._per_engine: Callable[[], Mapping[int, object]] = lambda: {0: snapshot()}
         self._engine = (_EngineStatsCollector(snapshot),
-                        VllmEngineCollector(lambda: {0: snapshot()}, lambda: self.vllm.model_name))
+                        VllmEngineCollector(lambda: self._per_engine(), lambda: self.vllm.model_name))
         self._render_registry = self._rendering(multiprocess_dir)
         r = self.registry
         self.finished = Counter("kvserve_requests_finished", "completions finished, by reason", ["reason"],
@@ -79,6 +80,13 @@ class ServerMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(reason)  # present at 0 from the start
+
+    def name_engines(self, model_name: str, per_engine: Callable[[], Mapping[int, object]] | None = None) -> None:
+        """Labels of the vllm:* series: model_name, and engine="i" per engine core, whose CoreStats
+        per_engine() returns as {i: CoreStats} (default: the one snapshot as engine 0). Before any request."""
+        if per_engine is not None:
+            self._per_engine = per_engine
+        self.vllm.start(model_name, engines=len(self._per_engine()))
 
     def _rendering(self, multiprocess_dir: str | None) -> CollectorRegistry:
         if multiprocess_dir is None:
