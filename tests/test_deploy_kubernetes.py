@@ -165,19 +165,14 @@ def serve_settings():
 
 
 def app_routes() -> set[str]:
-    import shutil
+    """The paths kvserve's app serves (an app over an engine core that never answers: nothing starts)."""
+    from test_server_http import loading_app
 
-    from engine.core.process import CoreAddresses
-    from server.app import create_app
-    from server.engine_client import CoreConnection, EngineClient
-    from server.settings import ServerSettings
-
-    addresses = CoreAddresses.new(1)
+    app, release = loading_app()
     try:
-        app = create_app(EngineClient(CoreConnection(addresses), ServerSettings()), ServerSettings())
         return {route.path for route in app.routes}
     finally:
-        shutil.rmtree(addresses.inbox[len("ipc://"):].rsplit("/", 1)[0], ignore_errors=True)
+        release()
 
 
 def test_serve_flags_and_env_are_kvserves():
