@@ -59,6 +59,8 @@ def create_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.engine = client
     app.state.settings = settings
     app.state.ctx = None  # ServingContext, built once the model is loaded
+    client.metrics.name_engines(model_name(client.model, settings),  # the vllm:* series' labels
+                                lambda: {link.index: link.stats for link in client.links})
     install_handlers(app)
     _add_routes(app, client)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)

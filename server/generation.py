@@ -36,6 +36,20 @@ class Completion:
         self.num_cached = 0
 
 
+class TokenTimes:
+    """When one completion's first and latest tokens came (ends of engine steps) and how many: its latency
+    metrics."""
+    __slots__ = ("first", "last", "count")
+
+    def __init__(self, now: float, count: int) -> None:
+        self.first = self.last = now
+        self.count = count
+
+    def time_per_output_token(self) -> float:
+        """vLLM's per-request TPOT: the decode time over the tokens after the first (0 for one token)."""
+        return (self.last - self.first) / (self.count - 1) if self.count > 1 else 0.0
+
+
 class Generation:
     def __init__(self, owner, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  timeout: float | None, tokenizer, stream_interval: int = 1):
@@ -57,7 +71,7 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
         self.stream_interval = stream_interval
-        self._last_token_time: dict[str, float] = {}
+        self._token_times: dict[str, TokenTimes] = {}  # by f"{engine request id}#{completion index}"
 
     def _completion(self, rid: str, index: int, tokenizer) -> Completion:
         detok = None
@@ -176,9 +190,12 @@ class Generation:
                 logprobs) -> StepOutput:
         comp.finished = True
         self.unfinished.discard((comp.engine_id, comp.index))
-        self.owner.metrics.finished.labels(reason.value).inc()
+        metrics, e2e = self.owner.metrics, time.monotonic() - self.arrival
+        metrics.finished.labels(reason.value).inc()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.owner.metrics.e2e.observe(time.monotonic() - self.arrival)
+            metrics.e2e.observe(e2e)
+        times = self._token_times.get(f"{comp.engine_id}#{comp.index}")
+        metrics.vllm.finished(reason.value, e2e, times.time_per_output_token() if times else 0.0, self.core)
         return StepOutput(comp.engine_id, comp.index, tokens, text, logprobs, reason, stop_reason, None,
                           len(self.prompts[comp.engine_id]), comp.num_cached)
 
@@ -236,13 +253,20 @@ class Generation:
             if rid in self.waiting_first:
                 self.got_first_token(rid)
                 m.ttft.observe(step_end - self.arrival)
+                m.vllm.first_token(step_end - self.arrival, self.core)
                 m.queue_time.observe(max(0.0, step_start - self.arrival))
-            key = f"{rid}#{d.index}"
-            last = self._last_token_time.get(key)
-            if last is not None:
-                m.itl.observe(step_end - last)
-            self._last_token_time[key] = step_end
+            self._observe_token_gap(f"{rid}#{d.index}", len(d.token_ids), step_end)
         self.queue.put_nowait(deltas)
+
+    def _observe_token_gap(self, key: str, count: int, step_end: float) -> None:
+        times = self._token_times.get(key)
+        if times is None:
+            self._token_times[key] = TokenTimes(step_end, count)
+            return
+        self.owner.metrics.itl.observe(step_end - times.last)
+        self.owner.metrics.vllm.token_gap(step_end - times.last, self.core)
+        times.last = step_end
+        times.count += count
 
     def fail(self, error: BaseException) -> None:
         if not self.closed:
