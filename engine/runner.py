@@ -130,6 +130,7 @@ class ModelRunner:
         self.warm_up()
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
+        self.structured = None  # engine.structured.StructuredOutputs, set by the engine when it has a tokenizer
         self.decode_graphs: CudaGraphSteps | None = None
         self.mixed_graphs: CudaGraphSteps | None = None
         self._last = StepHandle([], [], None, None, None, None)  # the step launched most recently
@@ -189,6 +190,8 @@ class ModelRunner:
         self._check_warm()
         inputs = prepare_inputs(out)
         ids = [r.request_id for r in inputs.sample_requests]
+        # Grammar masks fill in a helper thread while the forward runs; joined before sampling.
+        masks = self.structured.start_fill(inputs.sample_requests) if self.structured is not None else None
         graphs = self._graphs_for(inputs)
         hidden = self._run_graph(graphs, inputs) if graphs else self._run_eager(inputs)  # [num_tokens, hidden]
         handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
@@ -196,6 +199,8 @@ class ModelRunner:
             if len(ids) < hidden.shape[0]:  # rows that do not sample: prefill tokens, chunks that end no prompt
                 hidden = hidden[self._to_device(inputs.sample_indices)]
             logits = self.model.compute_logits(hidden)  # [n, vocab]
+            if masks is not None:
+                self.structured.apply(logits, masks.result())
             handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, inputs.sample_requests)
             if self.device.type == "cuda":
                 handle.host_tokens = torch.empty(len(ids), dtype=torch.long, pin_memory=True)

@@ -98,6 +98,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def check_fits(self, request: Request) -> None:
+        """add_request's size checks without queueing (a request that waits for its grammar first)."""
+        self._check_fits(request)
+
     def _check_fits(self, request: Request) -> None:
         p, max_tokens = request.num_prompt_tokens, request.max_tokens
         # Without max_tokens only the prompt and one generated token must fit.

@@ -26,6 +26,8 @@ from server.middleware import APIKeyMiddleware, BodyLimitMiddleware, BodyTooLarg
 from server import protocol as P
 from server import serving
 from server.settings import ServerSettings
+from server.structured import GrammarChecker, structured_output
+from engine.grammar import GrammarLimits
 
 logger = logging.getLogger("kvserve.server")
 
@@ -101,6 +103,8 @@ def serving_context(app: FastAPI) -> serving.ServingContext:
     max_prompt = min(s.max_prompt_tokens or eng.max_model_len, eng.max_model_len)
     app.state.ctx = serving.ServingContext(aengine, own_copy(aengine.tokenizer), model_name(aengine.model, s), limits,
                                            max_prompt, app.state.executor, s.log_requests)
+    app.state.ctx.grammars = GrammarChecker(app.state.ctx.tokenizer, eng.vocab_size,
+                                            GrammarLimits(eng.grammar_max_size, eng.grammar_compile_fuel))
     return app.state.ctx
 
 
@@ -202,7 +206,7 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         ctx = serving_context(app)
         req = parse_model(P.CompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
-        params = P.completion_params(req, ctx.limits)
+        params = await _with_structured(ctx, req, P.completion_params(req, ctx.limits))
         texts, prompts = P.split_prompt(req.prompt)
         P.check_num_completions(len(texts or prompts), params.n, ctx.limits)
         if texts:
@@ -225,7 +229,7 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         ctx = serving_context(app)
         req = parse_model(P.ChatCompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
-        params = P.chat_params(req, ctx.limits)
+        params = await _with_structured(ctx, req, P.chat_params(req, ctx.limits))
         prompt = await ctx.run(serving.apply_chat_template, ctx, req)
         serving.prompt_check(ctx, [prompt])
         rid = serving.new_id("chatcmpl")
@@ -240,6 +244,17 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         card = {"id": ctx.model_name, "object": "model", "created": aengine.created,
                 "owned_by": "kvserve", "max_model_len": aengine.info.max_model_len}
         return {"object": "list", "data": [card]}
+
+
+async def _with_structured(ctx: serving.ServingContext, req, params):
+    """The request's constraint (response_format, structured_outputs, guided_*), checked in the tokenization
+    thread (a bad one is a 400 before the engine sees it), into its SamplingParams."""
+    so = structured_output(req)
+    if so is None:
+        return params
+    await ctx.run(ctx.grammars.check, so)
+    params.structured = so
+    return params
 
 
 async def _respond(request: Request, stream: bool, make_stream, make_body) -> Response:

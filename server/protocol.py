@@ -7,7 +7,7 @@ keeps working); every field this server knows is checked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -53,7 +53,45 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar (Lark or GBNF)."""
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="accepted; kvserve's JSON has no free whitespace")
+    disable_fallback: bool | None = Field(None, description="accepted; kvserve has one grammar engine")
+
+
+class _StructuredFields(_Strict):
+    """The ways to constrain the output (at most one per request): OpenAI's response_format, vLLM's
+    structured_outputs, and vLLM's older guided_* fields."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: str | None = Field(None, description="accepted; kvserve uses llguidance")
+
+
+class _SamplingFields(_StructuredFields):
     """Fields shared by completions and chat completions. null means the default."""
 
     model: str | None = None

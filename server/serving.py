@@ -36,6 +36,7 @@ class ServingContext:
     max_prompt_tokens: int
     executor: ThreadPoolExecutor  # tokenization, off the event loop
     log_requests: bool = False
+    grammars: object | None = None  # server.structured.GrammarChecker
     _token_text: dict[int, str] = field(default_factory=dict)
 
     async def run(self, fn, *args):

@@ -97,6 +97,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True, gc=False):
     backend: str
     num_kv_blocks: int
     stats: CoreStats
+    grammar_max_size: int = 500_000  # the engine's grammar limits, for the front end's checks
+    grammar_compile_fuel: int = 1_000_000
 
 
 class LoadFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
