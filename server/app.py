@@ -248,7 +248,9 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
 
 async def _with_structured(ctx: serving.ServingContext, req, params):
     """The request's constraint (response_format, structured_outputs, guided_*), checked in the tokenization
-    thread (a bad one is a 400 before the engine sees it), into its SamplingParams."""
+    thread (a bad one is a 400 before the engine sees it), into its SamplingParams. First, any field kvserve
+    would not honour is refused (400 unsupported)."""
+    P.check_unsupported(req)
     so = structured_output(req)
     if so is None:
         return params

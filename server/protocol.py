@@ -79,7 +79,94 @@ class StructuredOutputsParams(_Strict):
     disable_fallback: bool | None = Field(None, description="accepted; kvserve has one grammar engine")
 
 
-class _StructuredFields(_Strict):
+_REFUSED = "not implemented by kvserve: any value but the no-op one is refused (400 unsupported)"
+_NO_EFFECT = "accepted; it does not change the output"
+
+
+def _refused(noop: str = "null"):
+    return Field(None, description=f"{_REFUSED}; no-op: {noop}")
+
+
+class _RefusedFields(_Strict):
+    """Fields of the OpenAI and vLLM request schemas that would change the output and that kvserve does not
+    implement: declared (so /openapi.json lists them) and refused unless they hold their no-op value
+    (check_unsupported). Fields that change nothing are accepted."""
+    use_beam_search: Any = _refused("false")
+    length_penalty: Any = _refused("1.0")
+    truncate_prompt_tokens: Any = _refused()
+    allowed_token_ids: Any = _refused()
+    bad_words: Any = _refused("[]")
+    logits_processors: Any = _refused("[]")
+    return_tokens_as_token_ids: Any = _refused("false")
+    spaces_between_special_tokens: Any = _refused("true")
+    priority: Any = _refused("0")
+    kv_transfer_params: Any = _refused()
+    vllm_xargs: Any = _refused()
+    guided_whitespace_pattern: Any = _refused()
+    metadata: dict[str, Any] | None = Field(None, description=_NO_EFFECT)
+    store: bool | None = Field(None, description=_NO_EFFECT)
+    service_tier: str | None = Field(None, description=_NO_EFFECT)
+    safety_identifier: str | None = Field(None, description=_NO_EFFECT)
+    prompt_cache_key: str | None = Field(None, description=_NO_EFFECT)
+    cache_salt: str | None = Field(None, description=_NO_EFFECT)
+    request_id: str | None = Field(None, description=_NO_EFFECT)
+
+
+class _ChatRefusedFields(_Strict):
+    audio: Any = _refused()
+    modalities: Any = _refused('["text"]')
+    prediction: Any = _refused()
+    reasoning_effort: Any = _refused()
+    web_search_options: Any = _refused()
+    verbosity: Any = _refused()
+    tools: Any = _refused("[]")
+    tool_choice: Any = _refused('"none" or "auto" without tools')
+    functions: Any = _refused("[]")
+    function_call: Any = _refused('"none" or "auto" without functions')
+    parallel_tool_calls: bool | None = Field(None, description="accepted; no effect without tools")
+    chat_template: Any = _refused()
+    chat_template_kwargs: Any = _refused("{}")
+    continue_final_message: Any = _refused("false")
+    documents: Any = _refused()
+    echo: Any = _refused("false")
+    add_special_tokens: Any = _refused("false")
+    mm_processor_kwargs: Any = _refused()
+
+
+class _CompletionRefusedFields(_Strict):
+    suffix: Any = _refused('"" or null')
+
+
+# field -> its no-op values (null is always one)
+NO_OP_VALUES = {
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],), "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,), "spaces_between_special_tokens": (True,), "priority": (0,),
+    "modalities": (["text"],), "tools": ([],), "functions": ([],), "chat_template_kwargs": ({},),
+    "continue_final_message": (False,), "echo": (False,), "add_special_tokens": (False,), "suffix": ("",),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+}
+
+
+def check_unsupported(req: BaseModel) -> None:
+    """400 `unsupported`, naming the field, for the first field set to a value kvserve would not honour."""
+    for name, f in type(req).model_fields.items():  # a request's own field of the same name wins (echo)
+        if not (f.description or "").startswith(_REFUSED):
+            continue
+        value = getattr(req, name)
+        if value is None or any(value == v and type(value) is type(v) for v in NO_OP_VALUES.get(name, ())):
+            continue
+        raise APIError(400, f"{name}: not supported by kvserve", "unsupported", name)
+    for i, m in enumerate(getattr(req, "messages", None) or []):
+        for name in ("tool_calls", "tool_call_id"):
+            if getattr(m, name, None) is not None:
+                raise APIError(400, f"messages[{i}].{name}: not supported by kvserve", "unsupported",
+                               f"messages.{name}")
+    if getattr(req, "best_of", None) is not None and req.best_of > req.n:
+        raise APIError(400, "best_of: only best_of == n is supported (kvserve returns every completion)",
+                       "unsupported", "best_of")
+
+
+class _StructuredFields(_RefusedFields):
     """The ways to constrain the output (at most one per request): OpenAI's response_format, vLLM's
     structured_outputs, and vLLM's older guided_* fields."""
     response_format: ResponseFormat | None = None
@@ -96,7 +183,7 @@ class _SamplingFields(_StructuredFields):
 
     model: str | None = None
     n: Int(ge=1) = 1
-    best_of: Int(ge=1) | None = Field(None, description="must be >= n; kvserve returns n completions")
+    best_of: Int(ge=1) | None = Field(None, description="must equal n (or be null): kvserve returns every completion")
     temperature: float | None = Field(1.0, ge=0)
     top_p: float | None = Field(1.0, gt=0, le=1)
     top_k: Int(ge=-1) | None = -1
@@ -118,7 +205,7 @@ class _SamplingFields(_StructuredFields):
     user: str | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, _CompletionRefusedFields):
     prompt: Prompt
     max_tokens: Int(ge=1) | None = Field(None, description="default 16 (lowered to the server's cap)")
     echo: bool | None = False
@@ -135,9 +222,11 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Text | None = None
+    tool_calls: Any = Field(None, description=f"{_REFUSED}; no-op: null")
+    tool_call_id: Any = Field(None, description=f"{_REFUSED}; no-op: null")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatRefusedFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int(ge=1) | None = None
     max_completion_tokens: Int(ge=1) | None = None
