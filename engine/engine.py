@@ -14,7 +14,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from engine.malloc import trim_free_memory
 from engine.request import (FINISHED, FinishReason, Request, RequestError, SamplingParams, StepOutput,
-                            completion_id)
+                            TokenLogprob, completion_id)
 from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block, profile_step_peak_bytes
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.grammar import GrammarLimits
@@ -42,6 +42,8 @@ class _Completion:
     index: int
     detok: IncrementalDetokenizer | None  # None: no text wanted (detokenize=False or no tokenizer)
     needs_history: bool
+    # prompt_logprobs: gathered chunk by chunk, sent with the first output token (None: not asked, or sent)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -217,7 +219,10 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, child_params)
-        return _Child(req, _Completion(request_id, index, detok, needs_history(child_params)))
+        comp = _Completion(request_id, index, detok, needs_history(child_params))
+        if params.prompt_logprobs is not None:
+            comp.prompt_logprobs = []
+        return _Child(req, comp)
 
     def abort_request(self, request_id: str) -> None:
         """Abort every completion of `request_id`, or the one completion whose id (completion_id) it is."""
@@ -273,6 +278,8 @@ class LLMEngine:
     def _postprocess(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[StepOutput]:
         outputs = []
         completions, logprobs = self._completions, runner_out.logprobs  # bound once: ~256 requests a step
+        if runner_out.prompt_logprobs:
+            self._gather_prompt_logprobs(runner_out.prompt_logprobs)
         for req in self.scheduler.update(sched_out, runner_out.sampled):
             comp = completions[req.request_id]
             token = req.output_token_ids[-1]
@@ -284,10 +291,22 @@ class LLMEngine:
             outputs.append(StepOutput(comp.parent_id, comp.index, [token], text, [lp] if lp else None,
                                       req.finish_reason, req.stop_reason, None, len(req.prompt_token_ids),
                                       req.num_cached_tokens))
+            if comp.prompt_logprobs is not None:
+                outputs[-1].prompt_logprobs, comp.prompt_logprobs = comp.prompt_logprobs, None
             if req.status is FINISHED:
                 self._forget(req.request_id)
         self._generation_tokens += len(outputs)
         return outputs
+
+    def _gather_prompt_logprobs(self, chunks) -> None:
+        """Append each chunk's prompt logprobs to its completion's; positions already gathered (a preempted
+        request computes its prompt again) are skipped."""
+        for rid, chunk in chunks.items():
+            comp = self._completions.get(rid)
+            if comp is None or comp.prompt_logprobs is None:
+                continue
+            have = len(comp.prompt_logprobs) + 1  # the next prompt position wanted
+            comp.prompt_logprobs += chunk.logprobs[max(0, have - chunk.start):]
 
     def _advance_grammar(self, req: Request, token: int) -> None:
         """The matcher consumes the token; one it refuses (the mask was bypassed) ends the request."""

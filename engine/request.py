@@ -79,6 +79,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks; vLLM's option of the same name)
     structured: StructuredOutput | None = None  # the grammar the output must follow
+    # None: off; k: each prompt token's logprob (after the first) and the top k. Such a request computes
+    # logits at every prompt position, so it takes no prefix-cache hit.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +120,10 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "must be non-negative integers")
+        if self.prompt_logprobs is not None:
+            _check(isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                   and 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                   f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.structured is not None:
             self.structured.validate()
         if self.logit_bias is not None:
@@ -243,6 +250,8 @@ class StepOutput:
     error: str | None = None  # set with FinishReason.ERROR
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # prompt_logprobs: the prompt's tokens from the second on, once, with the completion's first output
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -258,6 +267,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # from the prompt's second token on
 
 
 @dataclass

@@ -251,6 +251,7 @@ async def _with_structured(ctx: serving.ServingContext, req, params):
     thread (a bad one is a 400 before the engine sees it), into its SamplingParams. First, any field kvserve
     would not honour is refused (400 unsupported)."""
     P.check_unsupported(req)
+    params.prompt_logprobs = P.prompt_logprobs_of(req, ctx.limits)
     so = structured_output(req)
     if so is None:
         return params

@@ -166,7 +166,12 @@ def check_unsupported(req: BaseModel) -> None:
                        "unsupported", "best_of")
 
 
-class _StructuredFields(_RefusedFields):
+class _PromptLogprobFields(_RefusedFields):
+    prompt_logprobs: Int(ge=0, le=20) | None = Field(
+        None, description="vLLM's: each prompt token's logprob and the top k (the first token has none)")
+
+
+class _StructuredFields(_PromptLogprobFields):
     """The ways to constrain the output (at most one per request): OpenAI's response_format, vLLM's
     structured_outputs, and vLLM's older guided_* fields."""
     response_format: ResponseFormat | None = None
@@ -340,10 +345,23 @@ def sampling_params(req: _SamplingFields, limits: Limits, max_tokens: int | None
 
 
 def completion_params(req: CompletionRequest, limits: Limits) -> SamplingParams:
-    if req.echo and req.logprobs is not None:
-        raise _bad("logprobs", "echo with logprobs needs prompt logprobs, which kvserve does not compute",
-                   "unsupported")
     return sampling_params(req, limits, req.max_tokens, 16, req.logprobs)
+
+
+def prompt_logprobs_of(req, limits: Limits) -> int | None:
+    """How many top logprobs each prompt token needs: vLLM's prompt_logprobs, or completions' echo with
+    logprobs (the OpenAI shape lm-evaluation-harness reads). Not with stream (refused)."""
+    k = req.prompt_logprobs
+    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
+        k = max(k or 0, req.logprobs)
+    if k is None:
+        return None
+    if k > limits.max_logprobs:
+        raise _bad("prompt_logprobs", f"must be <= {limits.max_logprobs} on this server")
+    if req.stream:
+        raise _bad("prompt_logprobs", "prompt logprobs are not streamed by kvserve: use stream: false",
+                   "unsupported")
+    return k
 
 
 def chat_params(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
@@ -433,6 +451,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -478,6 +497,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class ModelCard(BaseModel):

@@ -67,8 +67,11 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # streaming: characters sent so far (for text_offset)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, out: StepOutput) -> None:
+        if out.prompt_logprobs:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.new_text)
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
@@ -138,6 +141,32 @@ async def stream_events(gen: Generation, chunks, include_usage_chunk):
 # ---- completions ------------------------------------------------------------------------------------
 
 
+def echo_logprobs(ctx: ServingContext, prompt: list[int], prompt_lps: list[TokenLogprob] | None,
+                  logprobs: list[TokenLogprob], offset: int) -> dict:
+    """echo with logprobs: the prompt's tokens (the first with null logprobs), then the completion's (whose
+    text_offset counts from `offset`, the echoed prompt's length)."""
+    first = ctx.token_text(prompt[0])
+    head = completion_logprobs(ctx, prompt_lps or [], len(first))
+    tail = completion_logprobs(ctx, logprobs, offset)
+    return {"tokens": [first] + head["tokens"] + tail["tokens"],
+            "token_logprobs": [None] + head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": [0] + head["text_offset"] + tail["text_offset"]}
+
+
+def vllm_prompt_logprobs(ctx: ServingContext, prompt_lps: list[TokenLogprob] | None) -> list | None:
+    """vLLM's shape: per prompt token, null for the first, else {token id: {logprob, decoded_token}} holding
+    the token itself and the top k."""
+    if prompt_lps is None:
+        return None
+    out: list = [None]
+    for lp in prompt_lps:
+        entry = {str(t): {"logprob": _finite(v), "decoded_token": ctx.token_text(t)} for t, v in lp.top}
+        entry.setdefault(str(lp.token_id), {"logprob": _finite(lp.logprob), "decoded_token": ctx.token_text(lp.token_id)})
+        out.append(entry)
+    return out
+
+
 def completion_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob], offset: int) -> dict:
     """OpenAI completions shape; text_offset counts the token strings from `offset`."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -161,8 +190,13 @@ async def completion_response(ctx: ServingContext, gen: Generation, req: Complet
         c = choices[idx]
         prefix = prompt_texts[idx // gen.params.n] if req.echo else ""
         lps = completion_logprobs(ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None
+        if req.echo and lps is not None:
+            prompt = gen.prompts[gen.engine_ids[idx // gen.params.n]]
+            lps = echo_logprobs(ctx, prompt, c.prompt_logprobs, c.logprobs, len(prefix))
         choice = {"index": idx, "text": prefix + "".join(c.text), "logprobs": lps,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(ctx, c.prompt_logprobs)
         if req.return_token_ids:
             choice["token_ids"] = c.token_ids
         out.append(choice)
@@ -251,8 +285,11 @@ async def chat_response(ctx: ServingContext, gen: Generation, req: ChatCompletio
     if ctx.log_requests:
         logger.info("%s output: %r", rid, [c["message"]["content"] for c in out])
     completion_tokens = sum(len(c.token_ids) for c in choices.values())
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name,
+    body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name,
             "choices": out, "usage": usage(gen, completion_tokens, cached)}
+    if req.prompt_logprobs is not None and choices:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(ctx, choices[min(choices)].prompt_logprobs)
+    return body
 
 
 def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str):

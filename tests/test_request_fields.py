@@ -30,7 +30,8 @@ NO_OPS_CHAT = {"modalities": ["text"], "tools": [], "tool_choice": "none", "para
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerThread(tiny_model_dir("llama"), served_model_name="tiny") as s:
+    """Steps of at most 16 tokens: prompts are prefilled (and scored) chunk by chunk."""
+    with ServerThread(tiny_model_dir("llama"), served_model_name="tiny", max_num_batched_tokens=16) as s:
         yield s
 
 
@@ -78,3 +79,62 @@ def test_openapi_declares_every_field(server):
                  "guided_json": 1, "guided_regex": 1, "guided_choice": 1, "guided_grammar": 1}:
         assert name in completion, name
     assert "unsupported" in chat["tools"]["description"]
+
+
+# ---- prompt logprobs ---------------------------------------------------------------------------------------
+
+PROMPT = "The quick brown fox jumps over the lazy dog, and then a few more words to span chunks"
+
+
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(tiny_model_dir, server):
+    """transformers' float32 log_softmax over the prompt: each token's logprob given the ones before it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = httpx.post(server.url("/tokenize"), json={"prompt": PROMPT}).json()["tokens"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return ids, lp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist(), lp[:-1].topk(2).values
+
+
+def test_echo_logprobs_match_transformers(server, hf_prompt_logprobs):
+    """The shape lm-evaluation-harness reads; asked twice, the second time after a plain request put the prompt
+    in the prefix cache (a prompt-logprobs request must not take the hit)."""
+    ids, want, top = hf_prompt_logprobs
+    post(server, "/v1/completions", {**COMPLETION, "prompt": PROMPT})
+    for _ in range(2):
+        resp = post(server, "/v1/completions", {**COMPLETION, "prompt": PROMPT, "echo": True, "logprobs": 2,
+                                                "max_tokens": 1, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        lps = choice["logprobs"]
+        assert choice["text"].startswith(PROMPT)
+        assert len(lps["tokens"]) == len(ids) + 1 and lps["token_logprobs"][0] is None
+        assert lps["top_logprobs"][0] is None
+        got = lps["token_logprobs"][1:len(ids)]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+        best = [max(t.values()) for t in lps["top_logprobs"][1:len(ids)]]
+        assert max(abs(a - b) for a, b in zip(best, top[:, 0].tolist())) < 1e-4
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_prompt_logprobs(server, hf_prompt_logprobs, path):
+    ids, want, _ = hf_prompt_logprobs
+    if path == "/v1/completions":
+        body = post(server, path, {**COMPLETION, "prompt": ids, "prompt_logprobs": 1, "n": 2}).json()
+        plps = [c["prompt_logprobs"] for c in body["choices"]]
+    else:
+        body = post(server, path, {**CHAT, "prompt_logprobs": 0}).json()
+        plps = [body["prompt_logprobs"]]
+    for plp in plps:
+        assert plp[0] is None and all(len(e) >= 1 for e in plp[1:])
+    if path == "/v1/completions":
+        got = [entry[str(t)]["logprob"] for entry, t in zip(plps[0][1:], ids[1:])]
+        assert len(plps[0]) == len(ids) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
+def test_prompt_logprobs_refused_with_stream(server):
+    err = post(server, "/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1, "stream": True}).json()
+    assert err["error"]["code"] == "unsupported" and err["error"]["param"] == "prompt_logprobs"

@@ -51,6 +51,7 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # with a completion's first token, when asked
 
 
 class Rejection(msgspec.Struct, array_like=True, gc=False):
