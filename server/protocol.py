@@ -112,6 +112,38 @@ class _RefusedFields(_Strict):
     request_id: str | None = Field(None, description=_NO_EFFECT)
 
 
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class _ChatRefusedFields(_Strict):
     audio: Any = _refused()
     modalities: Any = _refused('["text"]')
@@ -119,14 +151,18 @@ class _ChatRefusedFields(_Strict):
     reasoning_effort: Any = _refused()
     web_search_options: Any = _refused()
     verbosity: Any = _refused()
-    tools: Any = _refused("[]")
-    tool_choice: Any = _refused('"none" or "auto" without tools')
+    tools: list[Tool] | None = Field(None, description="functions the model may call (the chat template "
+                                     "renders them; --tool-call-parser reads the calls)")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="required and a named function are enforced with a grammar")
     functions: Any = _refused("[]")
     function_call: Any = _refused('"none" or "auto" without functions')
-    parallel_tool_calls: bool | None = Field(None, description="accepted; no effect without tools")
-    chat_template: Any = _refused()
-    chat_template_kwargs: Any = _refused("{}")
-    continue_final_message: Any = _refused("false")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (tool_choice required)")
+    chat_template: Text | None = Field(None, description="a Jinja chat template used instead of the model's")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template "
+                                                        "(e.g. enable_thinking)")
+    continue_final_message: bool | None = Field(False, description="continue the last (assistant) message "
+                                                "instead of starting a new one")
     documents: Any = _refused()
     echo: Any = _refused("false")
     add_special_tokens: Any = _refused("false")
@@ -156,11 +192,6 @@ def check_unsupported(req: BaseModel) -> None:
         if value is None or any(value == v and type(value) is type(v) for v in NO_OP_VALUES.get(name, ())):
             continue
         raise APIError(400, f"{name}: not supported by kvserve", "unsupported", name)
-    for i, m in enumerate(getattr(req, "messages", None) or []):
-        for name in ("tool_calls", "tool_call_id"):
-            if getattr(m, name, None) is not None:
-                raise APIError(400, f"messages[{i}].{name}: not supported by kvserve", "unsupported",
-                               f"messages.{name}")
     if getattr(req, "best_of", None) is not None and req.best_of > req.n:
         raise APIError(400, "best_of: only best_of == n is supported (kvserve returns every completion)",
                        "unsupported", "best_of")
@@ -227,8 +258,9 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Text | None = None
-    tool_calls: Any = Field(None, description=f"{_REFUSED}; no-op: null")
-    tool_call_id: Any = Field(None, description=f"{_REFUSED}; no-op: null")
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatRefusedFields):
@@ -398,6 +430,15 @@ def split_prompt(prompt) -> tuple[list[str], list[list[int]]]:
     return [], [list(p) for p in prompt]
 
 
+def _arguments(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     """Messages as the chat template expects them: text parts joined into one string."""
     out = []
@@ -408,6 +449,11 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         d = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:  # arguments as objects: what HF chat templates (Qwen, Llama, Mistral) render
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
         out.append(d)
     return out
 
@@ -477,9 +523,17 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):

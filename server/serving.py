@@ -20,6 +20,7 @@ from engine.request import FinishReason, StepOutput, TokenLogprob
 from server.engine_client import EngineClient
 from server.generation import Generation
 from server.errors import APIError
+from server.tools import StreamReply, reply_message
 from server.protocol import ChatCompletionRequest, CompletionRequest, Limits, check_prompt_ids, message_dicts
 
 logger = logging.getLogger("kvserve.server")
@@ -37,6 +38,9 @@ class ServingContext:
     executor: ThreadPoolExecutor  # tokenization, off the event loop
     log_requests: bool = False
     grammars: object | None = None  # server.structured.GrammarChecker
+    tool_call_parser: str | None = None
+    reasoning_parser: bool = False
+    chat_template: str | None = None  # the server's override of the model's template
     _token_text: dict[int, str] = field(default_factory=dict)
 
     async def run(self, fn, *args):
@@ -276,12 +280,15 @@ def chat_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob]) -> dict:
                         for lp in logprobs]}
 
 
-async def chat_response(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str) -> dict:
+async def chat_response(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str,
+                        parser=None) -> dict:
     choices, cached = await collect(gen)
-    out = [{"index": idx, "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": chat_logprobs(ctx, c.logprobs) if req.logprobs else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-           for idx, c in sorted(choices.items())]
+    out = []
+    for idx, c in sorted(choices.items()):
+        message, finish = reply_message("".join(c.text), parser, ctx.reasoning_parser, c.finish_reason)
+        out.append({"index": idx, "message": message,
+                    "logprobs": chat_logprobs(ctx, c.logprobs) if req.logprobs else None,
+                    "finish_reason": finish, "stop_reason": c.stop_reason})
     if ctx.log_requests:
         logger.info("%s output: %r", rid, [c["message"]["content"] for c in out])
     completion_tokens = sum(len(c.token_ids) for c in choices.values())
@@ -292,9 +299,10 @@ async def chat_response(ctx: ServingContext, gen: Generation, req: ChatCompletio
     return body
 
 
-def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str):
+def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str, parser=None):
     chunk = StreamChunks(ctx, gen, rid, "chat.completion.chunk", req.stream_options)
     state = chunk.state
+    replies = {idx: StreamReply(parser, ctx.reasoning_parser) for idx in range(gen.params.n)}
 
     async def chunks():
         for idx in range(gen.params.n):
@@ -306,9 +314,10 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
             state["cached"][out.request_id] = out.num_cached_tokens
             lps = chat_logprobs(ctx, out.new_logprobs) if req.logprobs and out.new_logprobs else None
             if out.new_text or out.new_token_ids or out.finished:
-                delta = {"content": out.new_text} if out.new_text else {}
+                delta, called = replies[out.index].delta(out.new_text, out.finished)
+                finish = out.finish_reason.value if out.finished else None
                 yield chunk([{"index": out.index, "delta": delta, "logprobs": lps,
-                              "finish_reason": out.finish_reason.value if out.finished else None,
+                              "finish_reason": "tool_calls" if called and finish == "stop" else finish,
                               "stop_reason": out.stop_reason}])
 
     return chunk.events(chunks())
@@ -322,13 +331,30 @@ def tokenize_texts(ctx: ServingContext, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
+def chat_template(ctx: ServingContext, req) -> str | None:
+    """The request's template, else the server's, else the model's."""
+    tok = ctx.need_tokenizer("chat")
+    return getattr(req, "chat_template", None) or ctx.chat_template or getattr(tok, "chat_template", None)
+
+
+def template_options(req) -> dict:
+    """tools, chat_template_kwargs, add_generation_prompt / continue_final_message as apply_chat_template takes them."""
+    cont = bool(getattr(req, "continue_final_message", False))
+    options = {**(getattr(req, "chat_template_kwargs", None) or {}), "continue_final_message": cont,
+               "add_generation_prompt": getattr(req, "add_generation_prompt", True) and not cont}
+    if getattr(req, "tools", None):
+        options["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    return options
+
+
 def apply_chat_template(ctx: ServingContext, req: ChatCompletionRequest | object) -> list[int]:
     tok = ctx.need_tokenizer("chat")
-    if not getattr(tok, "chat_template", None):
+    template = chat_template(ctx, req)
+    if not template:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "unsupported")
     try:
-        text = tok.apply_chat_template(message_dicts(req.messages), tokenize=False,
-                                       add_generation_prompt=getattr(req, "add_generation_prompt", True))
+        text = tok.apply_chat_template(message_dicts(req.messages), tokenize=False, chat_template=template,
+                                       **template_options(req))
     except Exception as exc:  # jinja's raise_exception(...) in a template: the messages broke its rules
         raise APIError(400, f"messages: the chat template refused them: {exc}", "invalid_value", "messages")
     return tok.encode(text, add_special_tokens=False)

@@ -49,6 +49,9 @@ class ServerSettings:
     log_level: str = "info"
     api_server_count: int | None = None  # None: default_api_server_count()
     stream_interval: int = 1
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | auto (server/tool_parsers.py)
+    reasoning_parser: bool = False  # split <think>...</think> into reasoning_content
+    chat_template: str | None = None  # a Jinja template, or the path of a file holding one
 
     def __post_init__(self) -> None:
         self.validate()
@@ -71,6 +74,8 @@ class ServerSettings:
         need(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}")
         need(self.api_server_count is None or 1 <= self.api_server_count <= 64, "api_server_count must be in [1, 64]")
         need(self.stream_interval >= 1, "stream_interval must be >= 1")
+        need(self.tool_call_parser in (None, "hermes", "llama3_json", "mistral", "auto"),
+             "tool_call_parser must be one of hermes, llama3_json, mistral, auto")
 
     @property
     def num_api_servers(self) -> int:
@@ -132,6 +137,10 @@ SERVER_HELP = {
                         "default: cores // 4, between 1 and 4",
     "stream_interval": "tokens per SSE chunk of a completion (the last chunk may hold fewer); a stream that "
                        "falls behind gets every waiting token in one chunk whatever this is",
+    "tool_call_parser": "how tool calls are read from replies: hermes (Qwen), llama3_json, mistral, or auto "
+                        "(from the chat template); needed for tool_choice auto",
+    "reasoning_parser": "split <think>...</think> (Qwen3, DeepSeek-R1) into reasoning_content",
+    "chat_template": "a Jinja chat template (or a file holding one) used instead of the model's",
 }
 
 
