@@ -190,6 +190,7 @@ class StreamingReasoning:
         self.text = ""
         self.state = "start"  # start -> thinking -> content
         self.sent = 0  # characters of `text` handed out in the current state
+        self.strip_lead = False  # after </think>: whitespace before the content is dropped
 
     def feed(self, delta: str, finished: bool) -> tuple[str, str]:
         """(reasoning, content) to send now."""
@@ -200,16 +201,24 @@ class StreamingReasoning:
                 return "", ""  # still could be <think>
             if not head.startswith(ReasoningParser.start):
                 self.state = "content"
-                return "", self._take(len(self.text), finished)
+                return "", self._content(finished)
             self.state, self.text, self.sent = "thinking", head[len(ReasoningParser.start):], 0
         if self.state == "thinking":
             at = self.text.find(ReasoningParser.end)
             if at < 0:
                 return self._take(self._safe(), finished), ""
             thought = self.text[self.sent:at]
-            self.state, self.text, self.sent = "content", self.text[at + len(ReasoningParser.end):].lstrip(), 0
-            return thought, self._take(len(self.text), finished)
-        return "", self._take(len(self.text), finished)
+            self.state, self.text, self.sent = "content", self.text[at + len(ReasoningParser.end):], 0
+            self.strip_lead = True
+            return thought, self._content(finished)
+        return "", self._content(finished)
+
+    def _content(self, finished: bool) -> str:
+        if self.strip_lead:
+            rest = self.text[self.sent:].lstrip()
+            self.sent = len(self.text) - len(rest)
+            self.strip_lead = not rest
+        return self._take(len(self.text), finished)
 
     def _safe(self) -> int:
         end = ReasoningParser.end
