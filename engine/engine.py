@@ -309,7 +309,11 @@ class LLMEngine:
             comp.prompt_logprobs += chunk.logprobs[max(0, have - chunk.start):]
 
     def _advance_grammar(self, req: Request, token: int) -> None:
-        """The matcher consumes the token; one it refuses (the mask was bypassed) ends the request."""
+        """The matcher consumes the token; one it refuses (the mask was bypassed) ends the request. EOS is
+        allowed only where the grammar ends: with ignore_eos the request goes on, unconstrained from there."""
+        if token in req.eos_token_ids and req.sampling_params.ignore_eos:
+            req.grammar = None
+            return
         if req.grammar.accept(token) or req.is_finished:
             return
         logger.error("request %s: token %d breaks its grammar (%s)", req.request_id, token, req.grammar.error())

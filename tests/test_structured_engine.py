@@ -84,3 +84,14 @@ def test_n3_sampled_and_abort_while_compiling(llm):
         outs += eng.step()
     assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
     assert eng.scheduler.stats().num_blocks_used == 0
+
+
+def test_ignore_eos_goes_on_unconstrained_after_the_grammar_ends(llm):
+    """Benchmarks fix output lengths with ignore_eos: the grammar's text comes first, whole, then free tokens."""
+    tok = llm.get_tokenizer()
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True,
+                                                  structured=StructuredOutput(json=json.dumps(SCHEMA))))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 60
+    value, end = json.JSONDecoder().raw_decode(tok.decode(c.token_ids, skip_special_tokens=True))
+    jsonschema.validate(value, SCHEMA)
