@@ -126,6 +126,8 @@ class SamplingParams:
                    f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.structured is not None:
             self.structured.validate()
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with a structured output (the grammar "
+                   "decides where the output may end)", "unsupported")
         if self.logit_bias is not None:
             _check(all(isinstance(k, int) and _is_finite_number(v) for k, v in self.logit_bias.items()),
                    "logit_bias", "must map token ids to finite numbers")

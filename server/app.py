@@ -28,6 +28,7 @@ from server import serving, tools
 from server.settings import ServerSettings
 from server.structured import GrammarChecker, structured_output
 from engine.grammar import GrammarLimits
+from engine.request import RequestError
 
 logger = logging.getLogger("kvserve.server")
 
@@ -267,7 +268,16 @@ async def _with_structured(ctx: serving.ServingContext, req, params):
         return params
     await ctx.run(ctx.grammars.check, so)
     params.structured = so
+    _check_params(params)
     return params
+
+
+def _check_params(params) -> None:
+    """SamplingParams' own checks again, after a constraint was added."""
+    try:
+        params.validate()
+    except RequestError as err:
+        raise APIError(400, err.message, err.code, err.param) from None
 
 
 async def _tool_calls(ctx: serving.ServingContext, req, params):
@@ -281,6 +291,7 @@ async def _tool_calls(ctx: serving.ServingContext, req, params):
                            "invalid_value", "tool_choice")
         await ctx.run(ctx.grammars.check, forced)
         params.structured = forced
+        _check_params(params)
     return parser
 
 
