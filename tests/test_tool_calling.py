@@ -65,6 +65,14 @@ def test_reasoning_split_agrees_in_every_chunking(text, smollm2_tokenizer):
         assert (thought if want[0] is not None else None, "".join(c for _, c in parts)) == want, pieces
 
 
+def test_auto_parser_is_told_from_the_template():
+    from server.tool_parsers import parser_for
+
+    assert isinstance(parser_for("auto", QWEN_STYLE), HermesParser)
+    assert isinstance(parser_for("auto", "{{ '[TOOL_CALLS]' }}"), MistralParser)
+    assert parser_for("auto", "{{ messages }}") is None
+
+
 # ---- the server ----------------------------------------------------------------------------------------
 
 QWEN_STYLE = (
@@ -122,6 +130,11 @@ def test_conversation_with_tool_calls_reaches_the_template(server):
     assert '"name": "get_weather"' in text and '{"city": "Paris", "days": 2}' in text
     assert "<tool_response>\nsunny, 21C\n</tool_response>" in text and "<tools>" in text
     assert text.endswith("<think>\n\n</think>\n\n")
+    req = P.ChatCompletionRequest.model_validate({"messages": [*CONVERSATION[:1], {
+        "role": "assistant", "content": "It is"}], "continue_final_message": True})
+    text = tok.apply_chat_template(P.message_dicts(req.messages), tokenize=False, chat_template=QWEN_STYLE,
+                                   **template_options(req))
+    assert text.endswith("<|im_start|>assistant\nIt is")
     body = chat(server, messages=CONVERSATION, tools=[WEATHER], tool_choice="none", max_tokens=4)
     assert body["choices"][0]["message"].get("tool_calls") is None
 
