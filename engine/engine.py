@@ -63,7 +63,7 @@ class _Compiling:
 def needs_history(params: SamplingParams) -> bool:
     """Whether sampling this request's next token needs all its earlier tokens on the host."""
     return bool(params.min_tokens or params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0 or params.structured is not None)
+                or params.repetition_penalty != 1.0)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -258,6 +258,13 @@ class LLMEngine:
                 outputs += self._fail_step(sched_out, exc)
         if self._inflight is not None:
             outputs += self._finish(self._inflight)
+        if launched is not None and launched[1].logits is not None:  # rows under a grammar: sample them now
+            try:
+                self.runner.sample(launched[1])
+            except Exception as exc:
+                logger.exception("sampling failed; failing its %d requests", len(sched_out.scheduled))
+                outputs += self._fail_step(sched_out, exc)
+                launched = None
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._finish(launched)

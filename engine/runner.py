@@ -61,6 +61,7 @@ class StepHandle:
     host_tokens: torch.Tensor | None  # [n] pinned host copy, valid once `done` has happened
     done: torch.cuda.Event | None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # already on the host
+    logits: torch.Tensor | None = None  # [n, vocab] until sampled (a step with grammar rows: engine calls sample)
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -250,8 +251,6 @@ class ModelRunner:
         self._check_warm()
         inputs = prepare_inputs(out)
         ids = [r.request_id for r in inputs.sample_requests]
-        # Grammar masks fill in a helper thread while the forward runs; joined before sampling.
-        masks = self.structured.start_fill(inputs.sample_requests) if self.structured is not None else None
         graphs = self._graphs_for(inputs)
         hidden = self._run_graph(graphs, inputs) if graphs else self._run_eager(inputs)  # [num_tokens, hidden]
         handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
@@ -260,17 +259,31 @@ class ModelRunner:
         if ids:
             if len(ids) < hidden.shape[0]:  # rows that do not sample: prefill tokens, chunks that end no prompt
                 hidden = hidden[self._to_device(inputs.sample_indices)]
-            logits = self.model.compute_logits(hidden)  # [n, vocab]
-            if masks is not None:
-                self.structured.apply(logits, masks.result())
-            handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, inputs.sample_requests)
-            if self.device.type == "cuda":
-                handle.host_tokens = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
-                handle.host_tokens.copy_(handle.tokens, non_blocking=True)
-                handle.done = torch.cuda.Event()
-                handle.done.record()
+            handle.logits = self.model.compute_logits(hidden)  # [n, vocab]
+            if not self.needs_masks(inputs.sample_requests):
+                self.sample(handle)
         self._last = handle
         return handle
+
+    def needs_masks(self, requests: list[Request]) -> bool:
+        """Whether some row samples under a grammar: then the engine calls sample() itself, once the previous
+        step's tokens are read and every matcher has consumed them (the forward already runs meanwhile)."""
+        return self.structured is not None and any([r.grammar is not None for r in requests])
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle) -> None:
+        """Sample a launched step's logits (grammar masks first, filled now), leaving the tokens on the device."""
+        logits, handle.logits = handle.logits, None
+        if self.structured is not None:
+            masks = self.structured.fill(handle.requests)
+            if masks is not None:
+                self.structured.apply(logits, masks)
+        handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
+        if self.device.type == "cuda":
+            handle.host_tokens = torch.empty(len(handle.request_ids), dtype=torch.long, pin_memory=True)
+            handle.host_tokens.copy_(handle.tokens, non_blocking=True)
+            handle.done = torch.cuda.Event()
+            handle.done.record()
 
     def _graphs_for(self, inputs: StepInputs) -> CudaGraphSteps | None:
         num_tokens, num_prev = len(inputs.input_ids), len(self._last.request_ids)

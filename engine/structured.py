@@ -2,9 +2,10 @@
 one matcher per completion, and each step's token bitmask applied to the logits of the constrained rows on the
 device before sampling.
 
-A step's masks are filled by llguidance's parallel executor in a helper thread that starts before the forward
-pass and is joined only before sampling: the fill overlaps the forward (on a GPU, the device's work; on a CPU,
-it shares the cores). A mask allows EOS only where the grammar may end. A matcher consumes each token the
+A step with constrained rows is launched (forward and logits queued on the device) before the previous step's
+tokens are read; the engine then reads them, the matchers consume them, and only then are the step's masks
+filled (llguidance's parallel executor) and its rows sampled: the fill overlaps the forward pass on the device,
+and the async-scheduling pipeline keeps running. A mask allows EOS only where the grammar may end. A matcher consumes each token the
 engine appends, so preemption (recompute) and prefix-cache hits leave it where it was.
 """
 from __future__ import annotations
@@ -53,7 +54,6 @@ class StructuredOutputs:
         self._tokenizer = None  # the llguidance tokenizer, built in the compile thread on first use
         self._executor = None  # llguidance.LLExecutor, made on the first fill
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
-        self._fills = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
         self._shifts: dict[torch.device, torch.Tensor] = {}
 
@@ -81,21 +81,20 @@ class StructuredOutputs:
     def new_grammar(compiled: Future) -> Grammar:
         return Grammar(compiled.result().deep_copy())
 
-    # ---- masks (the runner: fill starts before the forward, apply before sampling) ---------------------
-    def start_fill(self, requests: list[Request]) -> Future | None:
+    # ---- masks (the runner: filled once the previous step's tokens are consumed, applied before sampling) --
+    def fill(self, requests: list[Request]) -> MaskBatch | None:
+        """The bitmasks of the rows under a grammar, by llguidance's parallel executor (it releases the GIL
+        and spreads rows over 80% of the cores)."""
+        import llguidance
+
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
-        return self._fills.submit(self._fill, [requests[i].grammar.matcher for i in rows], rows)
-
-    def _fill(self, matchers: list, rows: list[int]) -> MaskBatch:
-        import llguidance
-
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         bitmask = torch.empty(len(rows), self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        self._executor.unsafe_compute_mask_ptr([(m, j) for j, m in enumerate(matchers)], bitmask.data_ptr(),
-                                               self.words * 4, len(rows))
+        self._executor.unsafe_compute_mask_ptr([(requests[i].grammar.matcher, j) for j, i in enumerate(rows)],
+                                               bitmask.data_ptr(), self.words * 4, len(rows))
         return MaskBatch(rows, bitmask)
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
@@ -118,4 +117,3 @@ class StructuredOutputs:
 
     def shutdown(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
-        self._fills.shutdown(wait=False, cancel_futures=True)
