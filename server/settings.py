@@ -108,6 +108,9 @@ ENGINE_HELP = {
     "cpu_packed_weights": "float32 CPU matmuls through oneDNN-packed weights (~2x faster than F.linear; "
                           "--no-cpu-packed-weights for F.linear)",
     "seed": "engine seed (unseeded requests draw from it)",
+    "grammar_max_size": "structured outputs: most symbols in a request's grammar (beyond: 400 invalid_grammar)",
+    "grammar_compile_fuel": "structured outputs: lexer fuel to build a grammar, ~50k units a millisecond "
+                            "(beyond: 400 invalid_grammar)",
 }
 
 SERVER_HELP = {

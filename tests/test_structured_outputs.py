@@ -177,3 +177,21 @@ def test_openai_parse_with_pydantic_model(server):
     parsed = completion.choices[0].message.parsed
     assert isinstance(parsed, Item)
     assert 0 <= parsed.count <= 99 and len(parsed.label) <= 6
+
+
+def test_grammar_limits_refuse_a_schema_too_large(smollm2_tokenizer):
+    """--grammar-max-size / --grammar-compile-fuel: past them a schema is a 400, decided in milliseconds."""
+    from engine.grammar import GrammarLimits
+    from engine.request import StructuredOutput
+    from server.errors import APIError
+    from server.structured import GrammarChecker
+
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "pattern": "^[a-z]{3,9}$"}
+                                            for i in range(300)}}
+    for limits in (GrammarLimits(max_grammar_size=500), GrammarLimits(lexer_fuel=2_000)):
+        checker = GrammarChecker(smollm2_tokenizer, 49152, limits)
+        checker.check(StructuredOutput(regex="ab?"))  # a small one passes
+        start = time.monotonic()
+        with pytest.raises(APIError) as err:
+            checker.check(StructuredOutput(json=json.dumps(big)))
+        assert err.value.code == "invalid_grammar" and time.monotonic() - start < 2
