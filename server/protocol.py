@@ -144,7 +144,8 @@ class ToolCallIn(_Strict):
     function: FunctionCall
 
 
-class _ChatRefusedFields(_Strict):
+class _ChatExtraFields(_Strict):
+    """Chat fields beyond the shared ones: tools and template options (honoured) and the refused ones."""
     audio: Any = _refused()
     modalities: Any = _refused('["text"]')
     prediction: Any = _refused()
@@ -169,7 +170,7 @@ class _ChatRefusedFields(_Strict):
     mm_processor_kwargs: Any = _refused()
 
 
-class _CompletionRefusedFields(_Strict):
+class _CompletionExtraFields(_Strict):
     suffix: Any = _refused('"" or null')
 
 
@@ -241,7 +242,7 @@ class _SamplingFields(_StructuredFields):
     user: str | None = None
 
 
-class CompletionRequest(_SamplingFields, _CompletionRefusedFields):
+class CompletionRequest(_SamplingFields, _CompletionExtraFields):
     prompt: Prompt
     max_tokens: Int(ge=1) | None = Field(None, description="default 16 (lowered to the server's cap)")
     echo: bool | None = False
@@ -263,7 +264,7 @@ class ChatMessage(_Strict):
     reasoning_content: Text | None = None
 
 
-class ChatCompletionRequest(_SamplingFields, _ChatRefusedFields):
+class ChatCompletionRequest(_SamplingFields, _ChatExtraFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int(ge=1) | None = None
     max_completion_tokens: Int(ge=1) | None = None
