@@ -26,7 +26,7 @@ class Closed:
 
 class Completion:
     """Front-end state of one completion: its text so far (detokenizer) and its tokens not yet handed out."""
-    __slots__ = ("engine_id", "index", "detok", "finished", "tokens", "logprobs", "num_cached")
+    __slots__ = ("engine_id", "index", "detok", "finished", "tokens", "logprobs", "num_cached", "prompt_logprobs")
 
     def __init__(self, engine_id: str, index: int, detok: IncrementalDetokenizer | None) -> None:
         self.engine_id, self.index, self.detok = engine_id, index, detok
@@ -34,6 +34,7 @@ class Completion:
         self.tokens: list[int] = []  # held back by stream_interval
         self.logprobs: list | None = None
         self.num_cached = 0
+        self.prompt_logprobs: list | None = None  # until handed out with the next output
 
 
 class TokenTimes:
@@ -131,8 +132,10 @@ class Generation:
         self._raise_errors(merged)
         outs = []
         for key, ds in merged.items():
-            out = self._advance(self.completions[key], ds)
+            comp = self.completions[key]
+            out = self._advance(comp, ds)
             if out is not None:
+                out.prompt_logprobs, comp.prompt_logprobs = comp.prompt_logprobs, None
                 outs.append(out)
         return outs
 
@@ -155,6 +158,8 @@ class Generation:
             if d.logprobs:
                 comp.logprobs = (comp.logprobs or []) + d.logprobs
             comp.num_cached = max(comp.num_cached, d.num_cached_tokens)
+            if d.prompt_logprobs:
+                comp.prompt_logprobs = d.prompt_logprobs
         reason = FinishReason(last.finish_reason) if last.finish_reason is not None else None
         if reason is None and len(comp.tokens) < self.stream_interval:
             return None

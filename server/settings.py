@@ -52,6 +52,9 @@ class ServerSettings:
     stream_interval: int = 1
     data_parallel_size: int = 1
     data_parallel_dispatch: str = "affinity"
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | auto (server/tool_parsers.py)
+    reasoning_parser: bool = False  # split <think>...</think> into reasoning_content
+    chat_template: str | None = None  # a Jinja template, or the path of a file holding one
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +80,8 @@ class ServerSettings:
         need(1 <= self.data_parallel_size <= 64, "data_parallel_size must be in [1, 64]")
         need(self.data_parallel_dispatch in DISPATCH_POLICIES,
              f"data_parallel_dispatch must be one of {DISPATCH_POLICIES}")
+        need(self.tool_call_parser in (None, "hermes", "llama3_json", "mistral", "auto"),
+             "tool_call_parser must be one of hermes, llama3_json, mistral, auto")
 
     @property
     def num_api_servers(self) -> int:
@@ -109,6 +114,9 @@ ENGINE_HELP = {
     "cpu_packed_weights": "float32 CPU matmuls through oneDNN-packed weights (~2x faster than F.linear; "
                           "--no-cpu-packed-weights for F.linear)",
     "seed": "engine seed (unseeded requests draw from it)",
+    "grammar_max_size": "structured outputs: most symbols in a request's grammar (beyond: 400 invalid_grammar)",
+    "grammar_compile_fuel": "structured outputs: lexer fuel to build a grammar, ~50k units a millisecond "
+                            "(beyond: 400 invalid_grammar)",
 }
 
 SERVER_HELP = {
@@ -142,6 +150,10 @@ SERVER_HELP = {
                               "prompt's prefix cached, unless it is much busier) or round_robin",
     "stream_interval": "tokens per SSE chunk of a completion (the last chunk may hold fewer); a stream that "
                        "falls behind gets every waiting token in one chunk whatever this is",
+    "tool_call_parser": "how tool calls are read from replies: hermes (Qwen), llama3_json, mistral, or auto "
+                        "(from the chat template); needed for tool_choice auto",
+    "reasoning_parser": "split <think>...</think> (Qwen3, DeepSeek-R1) into reasoning_content",
+    "chat_template": "a Jinja chat template (or a file holding one) used instead of the model's",
 }
 
 

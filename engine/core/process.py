@@ -157,7 +157,8 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec):
     freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
     ready = Ready(str(engine.model_path), engine.tokenizer_path, engine.vocab_size, engine.max_model_len,
                   str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine),
-                  spec.engine_config.block_size)
+                  spec.engine_config.block_size,
+                  engine.config.grammar_max_size, engine.config.grammar_compile_fuel)
     for sock in outboxes:
         sock.send(codec.encode(ready))
     logger.info("model loaded in %.1f s: the engine core is ready", time.monotonic() - start)
