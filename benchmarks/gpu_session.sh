@@ -3,7 +3,7 @@
 # each GPU backend, then transformers on W-B, all logged under $OUT (or ./gpu-out). vLLM runs separately
 # (shared/peers/vllm) on the same host right before or after; docs/benchmarks.md has the figures.
 # Each part fits in one 10-minute device call: run them as separate calls, back to back.
-# Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa [extra bench-throughput args...]
+# Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa|wl|wl-32k [extra bench-throughput args...]
 #        bash benchmarks/gpu_session.sh hf wb|wa generate|generate_batch|generate,generate_batch
 # (transformers on W-A runs ~2 min a repetition with generate_batch: one method per call there.)
 set -u
@@ -26,14 +26,22 @@ case "$what" in
       > "$out/profile.log" 2>&1
     show "$out/profile.log" 80 ;;
   wb|wa)
-    timeout 560 python3 -m server.bench_throughput --preset "$what" --attention-backend "$backends" \
+    timeout 560 python3 -m bench.throughput --preset "$what" --attention-backend "$backends" \
       "${common[@]}" "$@" --out "$out/kvserve-$what.json" > "$out/kvserve-$what.log" 2>&1
     show "$out/kvserve-$what.log" 30 ;;
+  wl|wl-32k)
+    # W-L (issue 19): long prompts; the preset sets max-model-len / max-num-batched-tokens, vLLM right after.
+    timeout 400 python3 -m bench.throughput --preset "$what" --attention-backend "${backends%%,*}" \
+      --skip-tokenizer-init --repeat "${REPEAT:-3}" "$@" --out "$out/kvserve-$what.json" > "$out/kvserve-$what.log" 2>&1
+    show "$out/kvserve-$what.log" 12
+    PYTHONPATH=/tmp/vllm-site timeout 400 python3 benchmarks/vllm_wl.py --preset "$what" --repeat "${REPEAT:-3}" \
+      --out "$out/vllm-$what.json" > "$out/vllm-$what.log" 2>&1
+    show "$out/vllm-$what.log" 6 ;;
   hf)
     preset="${1:-wb}"; methods="${2:-generate,generate_batch}"; tag="hf-$preset-${methods//,/-}"
     # HF_WITH_KVSERVE="" skips the kvserve rerun beside it (transformers alone, when the device budget is short).
-    timeout 580 python3 -m server.bench_throughput --preset "$preset" --attention-backend "${HF_WITH_KVSERVE-${backends%%,*}}" \
+    timeout 580 python3 -m bench.throughput --preset "$preset" --attention-backend "${HF_WITH_KVSERVE-${backends%%,*}}" \
       --compare-hf "$methods" "${common[@]}" --out "$out/$tag.json" > "$out/$tag.log" 2>&1
     show "$out/$tag.log" 20 ;;
-  *) echo "unknown part $what: tests|profile|wb|wa|hf" >&2; exit 2 ;;
+  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|hf" >&2; exit 2 ;;
 esac

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import engine.runner as runner_mod  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from server.bench_throughput import build_random_model  # noqa: E402
+from bench.models import build_random_model  # noqa: E402
 
 TINY_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32,
               "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from server.bench_throughput import build_random_model, parse_model_config  # noqa: E402
+from bench.models import build_random_model, parse_model_config  # noqa: E402
 
 
 def _sync() -> None:

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from server.bench_throughput import build_random_model, parse_model_config, workload_wb  # noqa: E402
+from bench.models import build_random_model, parse_model_config  # noqa: E402
+from bench.workloads import workload_wb  # noqa: E402
 
 # launch includes inputs (prepare_inputs) and metadata (the host arrays of the attention metadata).
 HOST_PARTS = ("schedule", "launch", "inputs", "metadata", "postprocess", "collect")

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from server.bench_throughput import (build_random_model, free_device_memory, parse_model_config,  # noqa: E402
-                                     workload_wa, workload_wb)
+from bench.models import build_random_model, free_device_memory, parse_model_config  # noqa: E402
+from bench.workloads import workload_wa, workload_wb  # noqa: E402
 
 WORKLOADS = {"wa": workload_wa, "wb": workload_wb}
 DECODE_GROUPS = ((193, 256), (129, 192), (65, 128), (17, 64), (1, 16))

@@ -3,7 +3,7 @@
     python benchmarks/throughput.py --preset cpu-smollm2 --compare-hf
     python benchmarks/throughput.py --preset wb --attention-backend triton,flash-attn --compare-hf generate,generate_batch --repeat 3 --out wb.json
 
-A thin wrapper over `kvserve bench throughput` (server/bench_throughput.py): the options are the same.
+A thin wrapper over `kvserve bench throughput` (bench/throughput.py): the options are the same.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from server.bench_throughput import build_parser, main  # noqa: E402
+from bench.throughput import build_parser, main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(build_parser().parse_args()))

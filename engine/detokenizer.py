@@ -21,9 +21,24 @@ PROMPT_CONTEXT_TOKENS = 5
 MAX_PENDING_TOKENS = 32
 
 
+def rust_decoder(tokenizer):
+    """The `tokenizers` library's own decode, when transformers' decode would only wrap it (a fast tokenizer
+    whose `_decode` is not overridden): the same text without the wrapper's argument handling, which was
+    half of the detokenizer's time in a front end streaming 128 requests (py-spy). None: use `decode`."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
+        self._rust_decode = rust_decoder(tokenizer)
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
@@ -94,6 +109,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of tokenization spaces: it is not defined on a window (" ." may straddle two).
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

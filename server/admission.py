@@ -47,21 +47,33 @@ class WaitingQueue:
 
 
 class Admission:
-    def __init__(self, settings, metrics) -> None:
+    def __init__(self, settings, metrics, peers_ready=None) -> None:
         self.settings = settings
+        self.peers_ready = peers_ready  # front ends sharing the listening socket: /ready waits for all of them
         self.metrics = metrics
         self.state = EngineState.LOADING
         self.dead_reason = "the engine has failed"
         self.waiting = WaitingQueue(settings.max_waiting_requests, settings.max_waiting_tokens)
-        self.last_heard = time.monotonic()  # the engine core's last message
+        self.last_heard = time.monotonic()  # the engine core's last message (the stalest live core's)
+        self.dead_cores: set[int] = set()  # with several engine cores: the ones that died (the rest serve)
 
     def health(self, has_work: bool) -> tuple[bool, str]:
+        """Unhealthy: the engine is dead, a step is stuck, or one of several engine cores died (the others
+        still serve, but only a restart brings the lost one back: the orchestrator should do it)."""
         if self.state == EngineState.DEAD:
             return False, self.dead_reason
+        stalled = self._stalled(has_work)
+        if stalled:
+            return False, stalled
+        if self.dead_cores:
+            return False, f"engine core(s) {sorted(self.dead_cores)} died; the others still serve"
+        return True, self.state.value
+
+    def _stalled(self, has_work: bool) -> str:
         silent = time.monotonic() - self.last_heard
         if has_work and self.state != EngineState.LOADING and silent > self.settings.watchdog_timeout:
-            return False, f"an engine step has made no progress for {silent:.1f} s while work is pending"
-        return True, self.state.value
+            return f"an engine step has made no progress for {silent:.1f} s while work is pending"
+        return ""
 
     def readiness(self, has_work: bool) -> tuple[bool, str]:
         healthy, why = self.health(has_work)
@@ -69,6 +81,8 @@ class Admission:
             return False, why
         if self.state != EngineState.READY:
             return False, self.state.value
+        if self.peers_ready is not None and not all(self.peers_ready):
+            return False, f"{sum(self.peers_ready)} of {len(self.peers_ready)} front ends are ready"
         if self.waiting.would_overflow(1, 0):
             return False, "overloaded"
         return True, "ready"
@@ -81,9 +95,9 @@ class Admission:
         if self.state in _REFUSALS:
             message, code = _REFUSALS[self.state]
             self._refuse(APIError(503, message, code, headers=self._retry()))
-        healthy, why = self.health(has_work)
-        if not healthy:
-            self._refuse(APIError(503, f"the engine is unhealthy: {why}", "engine_unhealthy",
+        stalled = self._stalled(has_work)
+        if stalled:
+            self._refuse(APIError(503, f"the engine is unhealthy: {stalled}", "engine_unhealthy",
                                   headers=self._retry()))
         if self.waiting.would_overflow(completions, tokens):
             self._refuse(APIError(429, "the server is overloaded: too many requests are waiting; retry later",

@@ -27,9 +27,12 @@ from server.errors import APIError, from_validation_errors, install_handlers
 from server.metrics import CONTENT_TYPE
 from server.middleware import APIKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
 from server import protocol as P
-from server import serving
+from server import serving, tools
 from server.prompts import check_chars, max_token_chars
 from server.settings import ServerSettings
+from server.structured import GrammarChecker, structured_output
+from engine.grammar import GrammarLimits
+from engine.request import RequestError
 
 logger = logging.getLogger("kvserve.server")
 
@@ -80,6 +83,8 @@ def create_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.engine = client
     app.state.settings = settings
     app.state.ctx = None  # ServingContext, built once the model is loaded
+    client.metrics.name_engines(model_name(client.model, settings),  # the vllm:* series' labels
+                                lambda: {link.index: link.stats for link in client.links})
     install_handlers(app)
     app.add_exception_handler(serving.ClientGone, _client_gone)
     _add_routes(app, client)
@@ -128,7 +133,18 @@ def serving_context(app: FastAPI) -> serving.ServingContext:
     max_chars = max_prompt * max_token_chars(tokenizer) if tokenizer is not None else 1 << 62
     app.state.ctx = serving.ServingContext(aengine, tokenizer, names[0], limits, max_prompt, app.state.executor,
                                            s.log_requests, names, max_chars, s.chat_parse_special_tokens)
+    app.state.ctx.tool_call_parser, app.state.ctx.reasoning_parser = s.tool_call_parser, s.reasoning_parser
+    app.state.ctx.chat_template = _read_template(s.chat_template)
+    app.state.ctx.grammars = GrammarChecker(app.state.ctx.tokenizer, eng.vocab_size,
+                                            GrammarLimits(eng.grammar_max_size, eng.grammar_compile_fuel))
     return app.state.ctx
+
+
+def _read_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents when it names a file, else the template itself."""
+    if value and "{" not in value and Path(value).is_file():
+        return Path(value).read_text()
+    return value
 
 
 def model_names(model: str | None, settings: ServerSettings) -> tuple[str, ...]:
@@ -214,7 +230,7 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         ctx = serving_context(app)
         req = parse_model(P.CompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
-        params = P.completion_params(req, ctx.limits)
+        params = await _with_structured(ctx, req, P.completion_params(req, ctx.limits))
         texts, prompts = P.split_prompt(req.prompt)
         P.check_num_completions(len(texts or prompts), params.n, ctx.limits)
         P.check_response_size(len(texts or prompts) * params.n, params.max_tokens, params.logprobs, ctx.limits)
@@ -240,14 +256,15 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         ctx = serving_context(app)
         req = parse_model(P.ChatCompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
-        params = P.chat_params(req, ctx.limits)
+        params = await _with_structured(ctx, req, P.chat_params(req, ctx.limits))
+        parser = await _tool_calls(ctx, req, params)
         prompt = await ctx.run_for(request, serving.chat_prompt, ctx, req)
         serving.prompt_check(ctx, [prompt])
         rid = serving.new_id("chatcmpl")
         _log_request(ctx, rid, [P.message_dicts(req.messages)], [prompt])
         gen = await aengine.generate(rid, [prompt], params, req.timeout)
-        return await _respond(request, req.stream, gen, lambda: serving.chat_stream(ctx, gen, req, rid),
-                              lambda: serving.chat_response(ctx, gen, req, rid))
+        return await _respond(request, req.stream, gen, lambda: serving.chat_stream(ctx, gen, req, rid, parser),
+                              lambda: serving.chat_response(ctx, gen, req, rid, parser))
 
     @app.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
     async def models():
@@ -255,6 +272,44 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         cards = [{"id": name, "object": "model", "created": aengine.created, "owned_by": "kvserve",
                   "max_model_len": aengine.info.max_model_len} for name in ctx.model_names]
         return {"object": "list", "data": cards}
+
+
+async def _with_structured(ctx: serving.ServingContext, req, params):
+    """The request's constraint (response_format, structured_outputs, guided_*), checked in the tokenization
+    thread (a bad one is a 400 before the engine sees it), into its SamplingParams. First, any field kvserve
+    would not honour is refused (400 unsupported)."""
+    P.check_unsupported(req)
+    params.prompt_logprobs = P.prompt_logprobs_of(req, ctx.limits)
+    so = structured_output(req)
+    if so is None:
+        return params
+    await ctx.run(ctx.grammars.check, so)
+    params.structured = so
+    _check_params(params)
+    return params
+
+
+def _check_params(params) -> None:
+    """SamplingParams' own checks again, after a constraint was added."""
+    try:
+        params.validate()
+    except RequestError as err:
+        raise APIError(400, err.message, err.code, err.param) from None
+
+
+async def _tool_calls(ctx: serving.ServingContext, req, params):
+    """The parser of the reply's tool calls (None: plain text); a forced call (tool_choice required or named)
+    becomes the request's grammar."""
+    parser = tools.tool_parser(req, ctx.tool_call_parser, serving.chat_template(ctx, req))
+    forced = tools.forced_call_grammar(req, parser)
+    if forced is not None:
+        if params.structured is not None:
+            raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format",
+                           "invalid_value", "tool_choice")
+        await ctx.run(ctx.grammars.check, forced)
+        params.structured = forced
+        _check_params(params)
+    return parser
 
 
 async def _respond(request: Request, stream: bool, gen, make_stream, make_body) -> Response:

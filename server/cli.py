@@ -17,8 +17,8 @@ from server.settings import ENV_PREFIX, Option, all_options, parse_text, resolve
 
 logger = logging.getLogger("kvserve.server")
 
-BENCH_COMMANDS = {"serve": ("server.bench_serve", "load-test a running OpenAI-compatible server"),
-                  "throughput": ("server.bench_throughput", "offline throughput of the engine")}
+BENCH_COMMANDS = {"serve": ("bench.serve", "load-test a running OpenAI-compatible server"),
+                  "throughput": ("bench.throughput", "offline throughput of the engine")}
 _EPILOG = """\
 Precedence: defaults < --config FILE (or KVSERVE_CONFIG) < KVSERVE_<OPTION> environment variables < flags.
 YAML config files use the option names with underscores, e.g. `max_num_seqs: 64`.

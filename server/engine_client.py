@@ -21,11 +21,12 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from engine.core.messages import (AbortRequests, AddRequest, Codec, CoreStats, EngineOutputs, FromCore,
-                                  LoadFailed, Ready, ToCore)
+from engine.core.messages import AbortRequests, AddRequest, Codec, CoreStats, EngineOutputs, LoadFailed, Ready, ToCore
 from engine.core.process import CoreAddresses
 from engine.request import SamplingParams
 from server.admission import Admission, EngineState
+from server.core_link import CoreLink, summed
+from server.dispatch import Dispatcher
 from server.errors import APIError
 from server.generation import Closed, Generation
 from server.metrics import ServerMetrics
@@ -34,11 +35,20 @@ logger = logging.getLogger("kvserve.server")
 
 
 @dataclass
-class CoreConnection:
-    """How one front end reaches the core: the addresses, its index among front ends, the core's lifeline."""
+class CoreEndpoint:
+    """One engine core as a front end reaches it."""
     addresses: CoreAddresses
+    alive: object | None = None  # Connection that turns readable (EOF) when the core exits; None: unwatched
+
+
+@dataclass
+class CoreConnection:
+    """How one front end reaches the engine cores (`--data-parallel-size` of them): their endpoints, its index
+    among front ends, the front ends' shared ready flags, and how requests are spread over the cores."""
+    cores: list[CoreEndpoint]
     client_index: int = 0
-    core_alive: object | None = None  # Connection that turns readable (EOF) when the core exits; None: unwatched
+    peers_ready: object | None = None  # with N > 1 front ends: shared bytes, one per front end, 1 once it is ready
+    dispatch: str = "affinity"
 
 
 class EngineClient:
@@ -47,53 +57,45 @@ class EngineClient:
         self.connection = connection
         self.settings = settings
         self.model = model  # as configured (None: the embedded default): what clients may call it besides its name
-        self.info: Ready | None = None  # set when the core is ready
+        self.info: Ready | None = None  # set when every core is ready
         self.tokenizer = None  # for detokenizing on the event loop; ServingContext tokenizes with a copy
         self.created = int(time.time())
         self.load_error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
-        self.stats = CoreStats()
+        self.links = [CoreLink(i, ep, connection.client_index) for i, ep in enumerate(connection.cores)]
+        self.dispatcher = Dispatcher(len(self.links), connection.dispatch)
         self.metrics = ServerMetrics(lambda: self.stats, multiprocess_dir)
-        self.admission = Admission(settings, self.metrics)
-        self._codec = Codec(FromCore)
+        self.admission = Admission(settings, self.metrics, connection.peers_ready)
         self._send_codec = Codec(ToCore)
         self._gens: dict[str, Generation] = {}  # engine request id -> its Generation
         self._admitting: dict[str, asyncio.Future] = {}
         self._live: set[Generation] = set()
         self._idle = asyncio.Event()
-        self._reader: asyncio.Task | None = None
-        self._context = self._push = self._pull = None
+        self._context = None
         self._handlers = {EngineOutputs: self._on_outputs, Ready: self._on_ready, LoadFailed: self._on_load_failed}
+
+    @property
+    def stats(self) -> CoreStats:
+        """The engine cores' counters, summed."""
+        return summed([link.stats for link in self.links])
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         self._idle.set()
         self._context = zmq.asyncio.Context()
-        self._push = self._context.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.setsockopt(zmq.LINGER, 1000)
-        self._push.connect(self.connection.addresses.inbox)
-        self._pull = self._context.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.connect(self.connection.addresses.outboxes[self.connection.client_index])
-        self._reader = asyncio.create_task(self._read(), name="kvserve-engine-reader")
-        if self.connection.core_alive is not None:
-            asyncio.get_running_loop().add_reader(self.connection.core_alive.fileno(), self._on_core_exit)
+        for link in self.links:
+            link.open(self._context, self._on_message, self._on_core_exit)
 
     async def stop(self) -> None:
-        """Abort what this front end still has in the core and close the sockets."""
+        """Abort what this front end still has in the cores and close the sockets."""
         if self.state not in (EngineState.DEAD, EngineState.STOPPED):
             self.admission.state = EngineState.STOPPED
         for gen in list(self._live):
             gen.queue.put_nowait(Closed())
             gen.close()
-        if self.connection.core_alive is not None:
-            asyncio.get_running_loop().remove_reader(self.connection.core_alive.fileno())
-        if self._reader is not None:
-            self._reader.cancel()
+        for link in self.links:
+            link.close()
         if self._context is not None:
-            self._push.close(linger=1000)
-            self._pull.close(linger=0)
             self._context.term()
 
     @property
@@ -113,10 +115,9 @@ class EngineClient:
             return False
 
     def abort_all(self) -> None:
-        """Every live request is aborted in the core; their Generations end with finish_reason abort."""
-        ids = [rid for gen in self._live for rid in gen.engine_ids]
-        if ids:
-            self.send(AbortRequests(ids))
+        """Every live request is aborted in its core; their Generations end with finish_reason abort."""
+        for gen in self._live:
+            self.send(AbortRequests(list(gen.engine_ids)), gen.core)
 
     # ---- health ---------------------------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
@@ -142,13 +143,14 @@ class EngineClient:
         limits = [t for t in (self.settings.request_timeout, timeout) if t is not None]
         gen = Generation(self, request_id, prompts, params, min(limits) if limits else None, self.tokenizer,
                          self.settings.stream_interval)
+        gen.core = self._dispatch(prompts[0], completions)
         self._register(gen, completions, tokens)
         loop = asyncio.get_running_loop()
         admitted = []
         engine_params = replace(params, stop=[], detokenize=False)  # text work stays here
         for rid, prompt in gen.prompts.items():
             admitted.append(self._admitting.setdefault(rid, loop.create_future()))
-            self.send(AddRequest(rid, prompt, engine_params, self.connection.client_index, gen.arrival))
+            self.send(AddRequest(rid, prompt, engine_params, self.connection.client_index, gen.arrival), gen.core)
         try:  # the deadline covers admission too: a stuck core must not hang the request
             await gen.wait_within_deadline(asyncio.gather(*admitted))
         except BaseException:
@@ -158,6 +160,15 @@ class EngineClient:
             for rid in gen.engine_ids:
                 self._admitting.pop(rid, None)
         return gen
+
+    def _dispatch(self, prompt: list[int], completions: int) -> int:
+        """The core for a request (all its prompts go to one), by prefix and load."""
+        if len(self.links) == 1:
+            return 0
+        core = self.dispatcher.choose(prompt, [link.load for link in self.links],
+                                      [not link.dead for link in self.links])
+        self.links[core].unreported += completions
+        return core
 
     def _register(self, gen: Generation, completions: int, tokens: int) -> None:
         for rid in gen.engine_ids:
@@ -173,21 +184,17 @@ class EngineClient:
         if not self._live:
             self._idle.set()
 
-    def send(self, message) -> None:
-        if self._push is None or self.state == EngineState.DEAD:
-            return
-        self._push.send(self._send_codec.encode(message), flags=zmq.NOBLOCK, copy=False)
+    def send(self, message, core: int = 0) -> None:
+        if self.state != EngineState.DEAD:
+            self.links[core].send(self._send_codec.encode(message))
 
-    # ---- the reader --------------------------------------------------------------------------------------
-    async def _read(self) -> None:
-        while True:
-            data = await self._pull.recv(copy=False)
-            self.admission.last_heard = time.monotonic()
-            message = self._codec.decode(data.buffer)
-            self._handlers[type(message)](message)
+    # ---- what the cores send ---------------------------------------------------------------------------
+    def _on_message(self, link: CoreLink, message) -> None:
+        self.admission.last_heard = min(lk.last_heard for lk in self.links if not lk.dead)
+        self._handlers[type(message)](link, message)
 
-    def _on_outputs(self, msg: EngineOutputs) -> None:
-        self.stats = msg.stats
+    def _on_outputs(self, link: CoreLink, msg: EngineOutputs) -> None:
+        link.stats, link.unreported = msg.stats, 0
         for rid in msg.admitted:
             _settle(self._admitting.get(rid), None)
         for r in msg.rejected:
@@ -206,12 +213,14 @@ class EngineClient:
         for gen, deltas in batches.items():
             gen.push(deltas, msg.step_start, msg.step_end)
 
-    def _on_ready(self, msg: Ready) -> None:
-        self.stats = msg.stats
-        asyncio.get_running_loop().create_task(self._finish_loading(msg))
+    def _on_ready(self, link: CoreLink, msg: Ready) -> None:
+        link.stats, link.ready = msg.stats, msg
+        self.dispatcher.block_size = msg.block_size
+        if all(lk.ready is not None for lk in self.links):
+            asyncio.get_running_loop().create_task(self._finish_loading(msg))
 
     async def _finish_loading(self, msg: Ready) -> None:
-        """The tokenizer loads here (off the event loop) once the core says where it is."""
+        """The tokenizer loads here (off the event loop) once every core is ready and says where it is."""
         try:
             if msg.tokenizer_path is not None:
                 from engine.loader import load_tokenizer
@@ -224,19 +233,36 @@ class EngineClient:
         self.info = msg
         if self.state == EngineState.LOADING:
             self.admission.state = EngineState.READY
-        logger.info("engine core ready (%s, %s attention, %d KV blocks): accepting requests", msg.device,
-                    msg.backend, msg.num_kv_blocks)
+            if self.connection.peers_ready is not None:
+                self.connection.peers_ready[self.connection.client_index] = 1
+        logger.info("%d engine core(s) ready (%s, %s attention, %d KV blocks each): accepting requests",
+                    len(self.links), msg.device, msg.backend, msg.num_kv_blocks)
 
-    def _on_load_failed(self, msg: LoadFailed) -> None:
+    def _on_load_failed(self, link: CoreLink, msg: LoadFailed) -> None:
         self._fatal(RuntimeError(msg.message))
 
-    def _on_core_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.connection.core_alive.fileno())
+    def _on_core_exit(self, link: CoreLink) -> None:
         if self.state == EngineState.LOADING:
             self._fatal(RuntimeError("the engine core exited while loading the model"))
-        elif self.state not in (EngineState.DEAD, EngineState.STOPPED):
+        elif self.state in (EngineState.DEAD, EngineState.STOPPED):
+            return
+        elif all(lk.dead for lk in self.links):
             logger.error("the engine core process died: failing %d requests", len(self._live))
             self._die("the engine core process died")
+        else:
+            self._lose_core(link)
+
+    def _lose_core(self, link: CoreLink) -> None:
+        """One of several cores died: its requests fail, the others go on; /health reports it."""
+        gens = [gen for gen in self._live if gen.core == link.index]
+        logger.error("engine core %d died: failing its %d requests; %d core(s) still serve", link.index,
+                     len(gens), sum(not lk.dead for lk in self.links))
+        self.admission.dead_cores.add(link.index)
+        error = APIError(500, f"engine core {link.index} died", "internal_error")
+        for gen in gens:
+            for rid in gen.engine_ids:
+                _settle(self._admitting.get(rid), error)
+            gen.fail(error)
 
     def _fatal(self, exc: BaseException) -> None:
         if self.load_error is None and self.info is None:

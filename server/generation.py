@@ -26,7 +26,7 @@ class Closed:
 
 class Completion:
     """Front-end state of one completion: its text so far (detokenizer) and its tokens not yet handed out."""
-    __slots__ = ("engine_id", "index", "detok", "finished", "tokens", "logprobs", "num_cached")
+    __slots__ = ("engine_id", "index", "detok", "finished", "tokens", "logprobs", "num_cached", "prompt_logprobs")
 
     def __init__(self, engine_id: str, index: int, detok: IncrementalDetokenizer | None) -> None:
         self.engine_id, self.index, self.detok = engine_id, index, detok
@@ -34,12 +34,28 @@ class Completion:
         self.tokens: list[int] = []  # held back by stream_interval
         self.logprobs: list | None = None
         self.num_cached = 0
+        self.prompt_logprobs: list | None = None  # until handed out with the next output
+
+
+class TokenTimes:
+    """When one completion's first and latest tokens came (ends of engine steps) and how many: its latency
+    metrics."""
+    __slots__ = ("first", "last", "count")
+
+    def __init__(self, now: float, count: int) -> None:
+        self.first = self.last = now
+        self.count = count
+
+    def time_per_output_token(self) -> float:
+        """vLLM's per-request TPOT: the decode time over the tokens after the first (0 for one token)."""
+        return (self.last - self.first) / (self.count - 1) if self.count > 1 else 0.0
 
 
 class Generation:
     def __init__(self, owner, request_id: str, prompts: list[list[int]], params: SamplingParams,
                  timeout: float | None, tokenizer, stream_interval: int = 1):
         self.owner = owner
+        self.core = 0  # which engine core runs it (with --data-parallel-size N)
         self.request_id = request_id
         self.params = params
         self.arrival = time.monotonic()
@@ -56,7 +72,7 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
         self.stream_interval = stream_interval
-        self._last_token_time: dict[str, float] = {}
+        self._token_times: dict[str, TokenTimes] = {}  # by f"{engine request id}#{completion index}"
 
     def _completion(self, rid: str, index: int, tokenizer) -> Completion:
         detok = None
@@ -86,8 +102,16 @@ class Generation:
             self.close()
 
     async def _next_deltas(self) -> list[TokenDelta] | None:
-        """Every delta waiting (at least one), or None once Closed."""
-        item = await self.wait_within_deadline(self.queue.get())
+        """Every delta waiting (at least one), or None once Closed. Hot path: when deltas are already waiting
+        (a stream behind the engine) they are taken without arming a timer (a Timeout per chunk was a tenth
+        of a front end's time), and the deadline is checked by hand."""
+        if self.queue.empty():
+            item = await self.wait_within_deadline(self.queue.get())
+        else:
+            deadline = self._deadline()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise self._timed_out(deadline)
+            item = self.queue.get_nowait()
         deltas: list[TokenDelta] = []
         while True:
             if isinstance(item, BaseException):
@@ -108,8 +132,10 @@ class Generation:
         self._raise_errors(merged)
         outs = []
         for key, ds in merged.items():
-            out = self._advance(self.completions[key], ds)
+            comp = self.completions[key]
+            out = self._advance(comp, ds)
             if out is not None:
+                out.prompt_logprobs, comp.prompt_logprobs = comp.prompt_logprobs, None
                 outs.append(out)
         return outs
 
@@ -132,6 +158,8 @@ class Generation:
             if d.logprobs:
                 comp.logprobs = (comp.logprobs or []) + d.logprobs
             comp.num_cached = max(comp.num_cached, d.num_cached_tokens)
+            if d.prompt_logprobs:
+                comp.prompt_logprobs = d.prompt_logprobs
         reason = FinishReason(last.finish_reason) if last.finish_reason is not None else None
         if reason is None and len(comp.tokens) < self.stream_interval:
             return None
@@ -142,7 +170,7 @@ class Generation:
             cut = stop[1]
             tokens, logprobs = tokens[:cut], (logprobs[:cut] if logprobs else logprobs)
             if reason is None:
-                self.owner.send(AbortRequests([completion_id(comp.engine_id, comp.index, self.params.n)]))
+                self.owner.send(AbortRequests([completion_id(comp.engine_id, comp.index, self.params.n)]), self.core)
             return self._finish(comp, FinishReason.STOP, stop[0], text, tokens, logprobs)
         if reason is not None:
             return self._finish(comp, reason, last.stop_reason, text, tokens, logprobs)
@@ -167,26 +195,37 @@ class Generation:
                 logprobs) -> StepOutput:
         comp.finished = True
         self.unfinished.discard((comp.engine_id, comp.index))
-        self.owner.metrics.finished.labels(reason.value).inc()
+        metrics, e2e = self.owner.metrics, time.monotonic() - self.arrival
+        metrics.finished.labels(reason.value).inc()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.owner.metrics.e2e.observe(time.monotonic() - self.arrival)
+            metrics.e2e.observe(e2e)
+        times = self._token_times.get(f"{comp.engine_id}#{comp.index}")
+        metrics.vllm.finished(reason.value, e2e, times.time_per_output_token() if times else 0.0, self.core)
         return StepOutput(comp.engine_id, comp.index, tokens, text, logprobs, reason, stop_reason, None,
                           len(self.prompts[comp.engine_id]), comp.num_cached)
 
-    async def wait_within_deadline(self, awaitable):
+    def _deadline(self) -> float | None:
+        """The earliest limit now in force: the total one, and the queue one until the first token."""
         deadline = self.deadline
         if self.waiting_first and self.queue_deadline is not None:
             deadline = self.queue_deadline if deadline is None else min(deadline, self.queue_deadline)
+        return deadline
+
+    async def wait_within_deadline(self, awaitable):
+        deadline = self._deadline()
         if deadline is None:
             return await awaitable
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 return await awaitable
         except TimeoutError:
-            queue = bool(self.waiting_first) and deadline == self.queue_deadline
-            self.owner.metrics.timeouts.labels("queue" if queue else "total").inc()
-            what = "queue time (no first token)" if queue else "total time"
-            raise APIError(408, f"request exceeded its {what} limit and was aborted", "timeout") from None
+            raise self._timed_out(deadline) from None
+
+    def _timed_out(self, deadline: float) -> APIError:
+        queue = bool(self.waiting_first) and deadline == self.queue_deadline
+        self.owner.metrics.timeouts.labels("queue" if queue else "total").inc()
+        what = "queue time (no first token)" if queue else "total time"
+        return APIError(408, f"request exceeded its {what} limit and was aborted", "timeout")
 
     def close(self) -> None:
         """Idempotent: abort whatever has not finished, give back the waiting-queue budget."""
@@ -196,7 +235,7 @@ class Generation:
         for rid in list(self.waiting_first):
             self.got_first_token(rid)
         if self.unfinished:
-            self.owner.send(AbortRequests(list(self.engine_ids)))
+            self.owner.send(AbortRequests(list(self.engine_ids)), self.core)
             self.owner.metrics.finished.labels("abort").inc(len(self.unfinished))
         self.owner.forget(self)
 
@@ -219,13 +258,20 @@ class Generation:
             if rid in self.waiting_first:
                 self.got_first_token(rid)
                 m.ttft.observe(step_end - self.arrival)
+                m.vllm.first_token(step_end - self.arrival, self.core)
                 m.queue_time.observe(max(0.0, step_start - self.arrival))
-            key = f"{rid}#{d.index}"
-            last = self._last_token_time.get(key)
-            if last is not None:
-                m.itl.observe(step_end - last)
-            self._last_token_time[key] = step_end
+            self._observe_token_gap(f"{rid}#{d.index}", len(d.token_ids), step_end)
         self.queue.put_nowait(deltas)
+
+    def _observe_token_gap(self, key: str, count: int, step_end: float) -> None:
+        times = self._token_times.get(key)
+        if times is None:
+            self._token_times[key] = TokenTimes(step_end, count)
+            return
+        self.owner.metrics.itl.observe(step_end - times.last)
+        self.owner.metrics.vllm.token_gap(step_end - times.last, self.core)
+        times.last = step_end
+        times.count += count
 
     def fail(self, error: BaseException) -> None:
         if not self.closed:

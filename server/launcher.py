@@ -22,7 +22,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 
 from engine.core.process import CoreAddresses, EngineCoreHandle, EngineCoreSpec, start_engine_core
-from server.engine_client import CoreConnection
+from server.engine_client import CoreConnection, CoreEndpoint
 from server.frontend import FrontendSpec, frontend_process_main, serve, uvicorn_config
 
 logger = logging.getLogger("kvserve.server")
@@ -30,21 +30,41 @@ logger = logging.getLogger("kvserve.server")
 
 def run_server(engine_config, settings) -> int:
     n = settings.num_api_servers
-    addresses = CoreAddresses.new(n)
     metrics_dir = _multiprocess_metrics_dir() if n > 1 else None
-    handle = start_engine_core(EngineCoreSpec(engine_config, addresses, settings.log_level))
-    logger.info("kvserve: engine core pid %d; %d front end(s) on http://%s:%d; /ready is 200 once the model "
-                "is loaded", handle.process.pid, n, settings.host, settings.port)
+    handles = start_engine_cores(engine_config, settings, n)
+    logger.info("kvserve: engine core pid(s) %s; %d front end(s) on http://%s:%d; /ready is 200 once the model "
+                "is loaded", [h.process.pid for h in handles], n, settings.host, settings.port)
     try:
-        specs = [FrontendSpec(settings, CoreConnection(addresses, i, handle.core_alive), engine_config.model,
-                              metrics_dir) for i in range(n)]
-        return serve(specs[0]) if n == 1 else _supervise(specs, handle)
+        peers_ready = mp.get_context("spawn").Array("b", n, lock=False) if n > 1 else None
+        cores = [CoreEndpoint(h.spec.addresses, h.core_alive) for h in handles]
+        specs = [FrontendSpec(settings, CoreConnection(cores, i, peers_ready, settings.data_parallel_dispatch),
+                              engine_config.model, metrics_dir) for i in range(n)]
+        return serve(specs[0]) if n == 1 else _supervise(specs, handles[0])
     finally:
-        code = handle.shutdown(timeout=max(settings.shutdown_timeout, 10.0))
-        logger.info("engine core exited with %s", code)
-        shutil.rmtree(Path(addresses.inbox[len("ipc://"):]).parent, ignore_errors=True)
+        _stop_engine_cores(handles, timeout=max(settings.shutdown_timeout, 10.0))
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def start_engine_cores(engine_config, settings, num_front_ends: int) -> list[EngineCoreHandle]:
+    """`--data-parallel-size` cores: on CUDA one GPU each (CUDA_VISIBLE_DEVICES), on the CPU a share of the
+    cores' threads each."""
+    dp = settings.data_parallel_size
+    handles = []
+    for i in range(dp):
+        env = {"CUDA_VISIBLE_DEVICES": str(i)} if dp > 1 and engine_config.device != "cpu" else {}
+        threads = max(1, ((os.cpu_count() or 1) - 1) // dp) if dp > 1 else None
+        spec = EngineCoreSpec(engine_config, CoreAddresses.new(num_front_ends), settings.log_level, env=env,
+                              cpu_threads=threads)
+        handles.append(start_engine_core(spec))
+    return handles
+
+
+def _stop_engine_cores(handles: list[EngineCoreHandle], timeout: float) -> None:
+    for handle in handles:
+        code = handle.shutdown(timeout=timeout)
+        logger.info("engine core %d exited with %s", handle.process.pid, code)
+        shutil.rmtree(Path(handle.spec.addresses.inbox[len("ipc://"):]).parent, ignore_errors=True)
 
 
 def _multiprocess_metrics_dir() -> str:

@@ -44,23 +44,17 @@ def message_chars(messages: list[dict]) -> int:
     return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
 
 
-def render(tok, messages: list[dict], add_generation_prompt: bool) -> str:
-    if not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "unsupported")
-    try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja's raise_exception(...) in a template: the messages broke its rules
-        raise APIError(400, f"messages: the chat template refused them: {exc}", "invalid_value", "messages")
-
-
-def chat_ids(tok, messages: list[dict], add_generation_prompt: bool, parse_special: bool) -> list[int]:
-    """The prompt of a chat request (see the module docstring)."""
-    text = render(tok, messages, add_generation_prompt)
-    if parse_special or not _has_control_tokens(tok, messages):
+def chat_ids(tok, messages: list[dict], render, parse_special: bool) -> list[int]:
+    """The prompt of a chat request (see the module docstring); render(messages) -> the template's text."""
+    text = render(messages)
+    if parse_special:
         return tok.encode(text, add_special_tokens=False)
-    pieces = _template_pieces(tok, messages, add_generation_prompt, text)
+    in_content, elsewhere = _control_tokens(tok, messages)
+    if not in_content and not elsewhere:
+        return tok.encode(text, add_special_tokens=False)
+    pieces = None if elsewhere else _template_pieces(messages, render, text)
     if pieces is None:
-        raise APIError(400, "messages: text may not contain the model's control tokens", "invalid_value",
+        raise APIError(400, "messages: text may not contain the model's control tokens here", "invalid_value",
                        "messages")
     ids: list[int] = []
     for template_text, content in pieces:
@@ -69,10 +63,10 @@ def chat_ids(tok, messages: list[dict], add_generation_prompt: bool, parse_speci
     return ids
 
 
-def _template_pieces(tok, messages: list[dict], add_generation_prompt: bool, text: str):
+def _template_pieces(messages: list[dict], render, text: str):
     """[(template text, message text that follows it), ...] covering `text`, or None if they do not line up."""
     marks = [MARK.format(i) for i in range(len(messages))]
-    masked = render(tok, [{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
+    masked = render([{**m, "content": mark} for m, mark in zip(messages, marks)])
     found = sorted((masked.find(mark), i) for i, mark in enumerate(marks) if masked.count(mark) == 1)
     if len(found) != len(marks):
         return None
@@ -86,12 +80,22 @@ def _template_pieces(tok, messages: list[dict], add_generation_prompt: bool, tex
     return pieces
 
 
-def _has_control_tokens(tok, messages: list[dict]) -> bool:
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _control_tokens(tok, messages: list[dict]) -> tuple[bool, bool]:
+    """Whether a control token's text appears (in message content, anywhere else in the messages)."""
     added = getattr(tok, "added_tokens_decoder", {}) or {}
     specials = [t.content for t in added.values() if getattr(t, "special", False) and t.content]
     specials = specials or [t for t in getattr(tok, "all_special_tokens", []) if t]
-    return any(s in m["content"] or s in m.get("name", "") for m in messages for s in specials)
-
-
-def chat_request_ids(tok, req, parse_special: bool) -> list[int]:
-    return chat_ids(tok, message_dicts(req.messages), getattr(req, "add_generation_prompt", True), parse_special)
+    has = lambda texts: any(sp in t for t in texts for sp in specials)  # noqa: E731
+    return (has([m["content"] for m in messages]),
+            has([t for m in messages for k, v in m.items() if k != "content" for t in _strings(v)]))

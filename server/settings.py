@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from engine.config import BACKENDS, DEVICES, DTYPES, EngineConfig, need
+from server.dispatch import POLICIES as DISPATCH_POLICIES
 
 logger = logging.getLogger("kvserve.server")
 
@@ -61,6 +62,11 @@ class ServerSettings:
     log_level: str = "info"
     api_server_count: int | None = None  # None: default_api_server_count()
     stream_interval: int = 1
+    data_parallel_size: int = 1
+    data_parallel_dispatch: str = "affinity"
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | auto (server/tool_parsers.py)
+    reasoning_parser: bool = False  # split <think>...</think> into reasoning_content
+    chat_template: str | None = None  # a Jinja template, or the path of a file holding one
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # one name, or several comma-separated
@@ -90,6 +96,11 @@ class ServerSettings:
         need(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}")
         need(self.api_server_count is None or 1 <= self.api_server_count <= 64, "api_server_count must be in [1, 64]")
         need(self.stream_interval >= 1, "stream_interval must be >= 1")
+        need(1 <= self.data_parallel_size <= 64, "data_parallel_size must be in [1, 64]")
+        need(self.data_parallel_dispatch in DISPATCH_POLICIES,
+             f"data_parallel_dispatch must be one of {DISPATCH_POLICIES}")
+        need(self.tool_call_parser in (None, "hermes", "llama3_json", "mistral", "auto"),
+             "tool_call_parser must be one of hermes, llama3_json, mistral, auto")
 
     @property
     def num_api_servers(self) -> int:
@@ -122,6 +133,9 @@ ENGINE_HELP = {
     "cpu_packed_weights": "float32 CPU matmuls through oneDNN-packed weights (~2x faster than F.linear; "
                           "--no-cpu-packed-weights for F.linear)",
     "seed": "engine seed (unseeded requests draw from it)",
+    "grammar_max_size": "structured outputs: most symbols in a request's grammar (beyond: 400 invalid_grammar)",
+    "grammar_compile_fuel": "structured outputs: lexer fuel to build a grammar, ~50k units a millisecond "
+                            "(beyond: 400 invalid_grammar)",
 }
 
 SERVER_HELP = {
@@ -170,8 +184,16 @@ SERVER_HELP = {
     "log_level": f"log level {LOG_LEVELS}",
     "api_server_count": "HTTP front-end processes sharing the one engine core (each stream is served by one); "
                         "default: cores // 4, between 1 and 4",
+    "data_parallel_size": "engine-core processes, each a whole copy of the model (one GPU each on CUDA); every "
+                          "front end sends each request to one of them",
+    "data_parallel_dispatch": "how requests are spread over the engine cores: affinity (the core that has the "
+                              "prompt's prefix cached, unless it is much busier) or round_robin",
     "stream_interval": "tokens per SSE chunk of a completion (the last chunk may hold fewer); a stream that "
                        "falls behind gets every waiting token in one chunk whatever this is",
+    "tool_call_parser": "how tool calls are read from replies: hermes (Qwen), llama3_json, mistral, or auto "
+                        "(from the chat template); needed for tool_choice auto",
+    "reasoning_parser": "split <think>...</think> (Qwen3, DeepSeek-R1) into reasoning_content",
+    "chat_template": "a Jinja chat template (or a file holding one) used instead of the model's",
 }
 
 

@@ -81,6 +81,8 @@ class FaultyEngine:
 
         def slow_step():
             faults.steps += 1
+            if not engine.has_unfinished_requests():
+                return step()  # the core's idle check: faults are for steps that run requests
             _leak(engine.scheduler.pool, faults.leak_blocks, leaked)
             if faults.step_delay:
                 time.sleep(faults.step_delay)
@@ -138,12 +140,12 @@ class ServerThread:
         import uvicorn
 
         from engine.core.process import CoreAddresses, EngineCoreSpec, start_engine_core
-        from server.engine_client import CoreConnection
+        from server.engine_client import CoreConnection, CoreEndpoint
         from server.frontend import DrainingServer, FrontendSpec, build_frontend, uvicorn_config
 
         addresses = CoreAddresses.new(1)
         self.core = start_engine_core(EngineCoreSpec(self.engine_config, addresses, "warning", self.engine_factory))
-        spec = FrontendSpec(self.settings, CoreConnection(addresses, 0, self.core.core_alive), self.engine_config.model)
+        spec = FrontendSpec(self.settings, CoreConnection([CoreEndpoint(addresses, self.core.core_alive)]), self.engine_config.model)
         self.aengine, self.app = build_frontend(spec)
         config = uvicorn_config(self.app, self.settings)
         if self.draining:
@@ -241,3 +243,52 @@ def stop_process(proc: subprocess.Popen, sig: int | None = signal.SIGTERM, timeo
     out = proc.log.read()
     proc.log.close()
     return proc.returncode, out
+
+
+# ------------------------------------------------------------------------------------------ requests
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Call(threading.Thread):
+    """One request in a thread: a streaming one collects its `data:` payloads, a plain one its response."""
+
+    def __init__(self, base_url: str, body: dict):
+        super().__init__(daemon=True)
+        self.base_url, self.body = base_url, body
+        self.events: list = []
+        self.first = threading.Event()
+        self.response: httpx.Response | None = None
+        self.transport_error: httpx.TransportError | None = None  # the connection ended mid-response
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(base_url=self.base_url, timeout=120) as http:
+                if not self.body.get("stream"):
+                    self.response = http.post("/v1/completions", json=self.body)
+                    return
+                with http.stream("POST", "/v1/completions", json=self.body) as r:
+                    self.response = r
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            self.events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                            self.first.set()
+        except httpx.TransportError as exc:
+            self.transport_error = exc
+        finally:
+            self.first.set()
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [c["finish_reason"] for e in self.events if isinstance(e, dict)
+                for c in e.get("choices", []) if c.get("finish_reason")]
+
+
+def start(base_url: str, body: dict) -> Call:
+    call = Call(base_url, body)
+    call.start()
+    return call

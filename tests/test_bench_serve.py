@@ -14,9 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from server import bench_serve
-from server.bench_datasets import jsonl_requests, random_requests, sharegpt_requests
-from server.bench_serve import RequestResult
+from bench import serve as bench_serve
+from bench.datasets import jsonl_requests, prefix_repetition_requests, random_requests, sharegpt_requests
+from bench import serve_metrics
+from bench.serve_client import RequestResult
 
 VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
              "request_goodput", "output_throughput", "total_token_throughput", "max_concurrent_requests"] + [
@@ -156,6 +157,28 @@ def test_random_dataset_with_a_tokenizer_sends_text_of_the_asked_length(smollm2_
     assert sum(r.prompt_len == 64 for r in reqs) >= 18
 
 
+def test_prefix_repetition_dataset_shares_each_prefix_among_its_requests(smollm2_tokenizer):
+    reqs = prefix_repetition_requests(24, prefix_len=32, suffix_len=8, num_prefixes=3, output_len=5, seed=1,
+                                      vocab_size=700)
+    assert len(reqs) == 24 and {(r.prompt_len, r.expected_output_len) for r in reqs} == {(40, 5)}
+    assert all(len(r.prompt) == 40 and all(0 <= t < 700 for t in r.prompt) for r in reqs)
+    groups: dict[tuple, list] = {}
+    for r in reqs:
+        groups.setdefault(tuple(r.prompt[:32]), []).append(tuple(r.prompt[32:]))
+    assert sorted(len(g) for g in groups.values()) == [8, 8, 8]  # 3 prefixes, 8 requests each
+    assert len({s for g in groups.values() for s in g}) == 24  # every suffix its own
+    order = [tuple(r.prompt[:32]) for r in reqs]
+    assert any(a != b for a, b in zip(order, order[1:8]))  # shuffled: a prefix's requests are not all adjacent
+    assert [r.prompt for r in prefix_repetition_requests(24, 32, 8, 3, 5, seed=1, vocab_size=700)] == [
+        r.prompt for r in reqs]
+    with pytest.raises(ValueError, match="multiple"):
+        prefix_repetition_requests(10, 32, 8, 3, 5)
+    texts = prefix_repetition_requests(4, 24, 6, 2, 3, tokenizer=smollm2_tokenizer)
+    for r in texts:  # text prompts: a request's text starts with its prefix's text, shared by one other
+        assert isinstance(r.prompt, str) and 26 <= r.prompt_len <= 34
+        assert sum(o.prompt[:40] == r.prompt[:40] for o in texts) == 2
+
+
 def test_sharegpt_and_jsonl_datasets(tmp_path, smollm2_tokenizer):
     convs = [{"conversations": [{"from": "human", "value": f"question number {i} " * 3},
                                 {"from": "gpt", "value": f"an answer of some length {i} " * (i + 1)}]}
@@ -241,7 +264,7 @@ def test_metrics_follow_vllms_definitions():
         _result(2.0, 0.2, [], 1),  # one token: no TPOT, no ITL
         _result(1.0, 0.0, [], 5, ok=False),
     ]
-    m = bench_serve.compute_metrics(results, duration=4.0, slos_ms={"ttft": 300, "tpot": 50},
+    m = serve_metrics.compute_metrics(results, duration=4.0, slos_ms={"ttft": 300, "tpot": 50},
                                     percentiles=[50, 90, 99])
     assert (m["completed"], m["failed"]) == (3, 1)
     assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 15
@@ -255,13 +278,13 @@ def test_metrics_follow_vllms_definitions():
     assert m["mean_itl_ms"] == pytest.approx((3 * 20 + 9 * 100) / 12)
     assert m["p50_itl_ms"] == pytest.approx(100)
     assert m["max_concurrent_requests"] == 2  # the failed one does not count
-    assert bench_serve.compute_metrics(results, 4.0, {}, [99])["request_goodput"] is None
+    assert serve_metrics.compute_metrics(results, 4.0, {}, [99])["request_goodput"] is None
 
 
 def test_peak_concurrency_treats_intervals_as_half_open():
     back_to_back = [_result(0.0, 0.5, [0.5], 2), _result(1.0, 0.5, [0.5], 2), _result(2.0, 1.0, [], 1)]
-    assert bench_serve.peak_concurrency(back_to_back) == 1
-    assert bench_serve.peak_concurrency(back_to_back + [_result(0.5, 1.0, [1.0], 2)]) == 2
+    assert serve_metrics.peak_concurrency(back_to_back) == 1
+    assert serve_metrics.peak_concurrency(back_to_back + [_result(0.5, 1.0, [1.0], 2)]) == 2
 
 
 # ------------------------------------------------------------------------------------------------ whole runs
@@ -343,7 +366,7 @@ def test_plot_has_four_panels_and_is_a_png(standin, tmp_path):
     assert (width, height) == (1200, 800)
     results = [_result(s, t, itl, len(itl) + 1) for s, t, itl in zip(
         result["start_times"], result["ttfts"], result["itls"])]
-    fig = bench_serve.make_figure(results, result["duration"], "t")
+    fig = serve_metrics.make_figure(results, result["duration"], "t")
     titles = [ax.get_title() for ax in fig.axes]
     assert len(titles) == 4
     assert [t.split()[0] for t in titles] == ["TTFT", "ITL", "E2EL", "Output"]

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from server import bench_throughput as bt
+from bench import models, workloads
+from bench import throughput as bt
 
 TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -16,7 +17,7 @@ TINY_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hi
 
 
 def test_wa_is_nano_vllms_workload():
-    w = bt.workload_wa()
+    w = workloads.workload_wa()
     assert len(w.prompts) == len(w.output_lens) == 256
     assert w.output_tokens == 133_966  # the total the GPU issue quotes for nano-vllm's benchmark
     assert all(100 <= len(p) <= 1024 for p in w.prompts) and all(100 <= n <= 1024 for n in w.output_lens)
@@ -25,7 +26,7 @@ def test_wa_is_nano_vllms_workload():
 
 
 def test_wb_is_torch_randint_under_seed_zero():
-    w = bt.workload_wb()
+    w = workloads.workload_wb()
     with torch.random.fork_rng():
         torch.manual_seed(0)
         expected = torch.randint(100, 150000, (256, 512))
@@ -34,15 +35,34 @@ def test_wb_is_torch_randint_under_seed_zero():
 
 
 def test_cpu_smollm2_workload_shape():
-    w = bt.workload_cpu_smollm2(vocab_size=49152)
+    w = workloads.workload_cpu_smollm2(vocab_size=49152)
     assert [len(p) for p in w.prompts] == [128] * 32 and w.output_lens == [64] * 32
     assert w.temperature == 0.0 and all(0 <= t < 49152 for p in w.prompts for t in p)
+
+
+def test_wl_is_the_long_prompt_command_of_issue_19():
+    """--preset wl: the workload of `--dataset random --random-input-len 8192 --random-output-len 256
+    --num-prompts 64` on the model's vocabulary, with the engine limits long prompts need, prefix caching off."""
+    args = bt.build_parser().parse_args(["--preset", "wl"])
+    bt.apply_preset(args)
+    assert (args.max_model_len, args.max_num_batched_tokens, args.model_config) == (16384, 16384, "qwen2.5-0.5b")
+    assert bt.engine_options(args, None)["enable_prefix_caching"] is False
+    w = workloads.workload_wl(vocab_size=151936)
+    assert w.name == "W-L" and [len(p) for p in w.prompts] == [8192] * 64 and w.output_lens == [256] * 64
+    same = bt.build_parser().parse_args(["--dataset", "random", "--random-input-len", "8192", "--random-output-len",
+                                         "256", "--num-prompts", "64"])
+    assert workloads.workload_from_dataset(same, None, 151936).prompts == w.prompts
+    long = bt.build_parser().parse_args(["--preset", "wl-32k", "--max-num-batched-tokens", "8192"])
+    bt.apply_preset(long)
+    assert (long.max_model_len, long.max_num_batched_tokens) == (40960, 8192)  # a user's choice stays
+    assert models.parse_model_config(long.model_config)["max_position_embeddings"] == 40960  # 32,768 + 256 fit
+    assert [len(p) for p in workloads.workload_wl(151936, 32768).prompts] == [32768] * 64
 
 
 def test_qwen_shape_has_qwen2_5_0_5bs_parameter_count():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = dict(bt.parse_model_config("qwen2.5-0.5b"))
+    config = dict(models.parse_model_config("qwen2.5-0.5b"))
     assert config.pop("dtype") == "bfloat16"
     hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
     with torch.device("meta"):
@@ -54,17 +74,17 @@ def test_qwen_shape_has_qwen2_5_0_5bs_parameter_count():
 def test_model_config_parsing(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(TINY_CONFIG))
-    assert bt.parse_model_config(str(path)) == TINY_CONFIG
-    assert bt.parse_model_config(json.dumps(TINY_CONFIG)) == TINY_CONFIG
+    assert models.parse_model_config(str(path)) == TINY_CONFIG
+    assert models.parse_model_config(json.dumps(TINY_CONFIG)) == TINY_CONFIG
     for bad in ("qwen9-1t", '{"hidden_size": 8}', "[1, 2]"):
         with pytest.raises(ValueError):
-            bt.parse_model_config(bad)
+            models.parse_model_config(bad)
 
 
 def test_random_model_builds_with_a_tokenizer_for_every_id(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
-    bt.build_random_model(TINY_CONFIG, tmp_path)
+    models.build_random_model(TINY_CONFIG, tmp_path)
     assert AutoConfig.from_pretrained(tmp_path).num_hidden_layers == 2
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert tok.decode([5, 299, 17, 1]) == "<5> <299> <17> <1>"

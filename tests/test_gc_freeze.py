@@ -46,7 +46,7 @@ def test_the_benchmark_frees_a_frozen_contender():
     # for the next backend in the same run.
     out = run_python("""
 from engine.malloc import freeze_startup_objects
-from server.bench_throughput import free_device_memory
+from bench.models import free_device_memory
 contender = cycle()
 ref = weakref.ref(contender)
 freeze_startup_objects()

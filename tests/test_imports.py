@@ -1,4 +1,5 @@
-"""Imports go one way (server -> engine -> attention), and the scheduling core imports no torch.
+"""Imports go one way (bench -> server -> engine -> attention; server reaches bench only lazily, inside the
+CLI's dispatch), and the scheduling core imports no torch.
 
 Read with `ast`, so that a violation is found even in a module nobody imports in the tests."""
 from __future__ import annotations
@@ -11,9 +12,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("attention", "engine", "server")
-# Which of our packages each package must not import.
-FORBIDDEN = {"attention": {"engine", "server"}, "engine": {"server"}, "server": set()}
+PACKAGES = ("attention", "engine", "server", "bench")
+# Which of our packages each package must not import, anywhere in it.
+FORBIDDEN = {"attention": {"engine", "server", "bench"}, "engine": {"server", "bench"}, "server": set(),
+             "bench": set()}
+# ... and which it must not import when it is imported (a function body may: `kvserve bench` loads it lazily).
+FORBIDDEN_AT_IMPORT = {"server": {"bench"}}
 TORCH_FREE = ("engine/request.py", "engine/block_pool.py", "engine/kv_manager.py", "engine/scheduler.py",
               "engine/config.py")
 
@@ -70,8 +74,10 @@ def import_time_imports(tree: ast.Module, path: Path) -> list[str]:
 
 def layer_violations(path: Path, source: str) -> list[str]:
     package = module_name(path).split(".")[0]
-    forbidden = FORBIDDEN.get(package, set())
-    return sorted({m for m in all_imports(ast.parse(source), path) if m.split(".")[0] in forbidden})
+    tree = ast.parse(source)
+    forbidden, eager = FORBIDDEN.get(package, set()), FORBIDDEN_AT_IMPORT.get(package, set())
+    return sorted({m for m in all_imports(tree, path) if m.split(".")[0] in forbidden}
+                  | {m for m in import_time_imports(tree, path) if m.split(".")[0] in eager})
 
 
 def source_files() -> list[Path]:
@@ -129,6 +135,8 @@ def test_scheduling_core_imports_no_torch_at_run_time():
     ("attention/sub/x.py", "from ...engine import scheduler"),
     ("engine/x.py", "from ..server import protocol"),
     ("engine/x.py", "import server"),
+    ("engine/x.py", "def f():\n    from bench.models import build_random_model"),
+    ("server/x.py", "from bench import serve"),
 ])
 def test_checker_flags_wrong_way_imports(file, source):
     assert layer_violations(ROOT / file, source)
@@ -138,6 +146,8 @@ def test_checker_flags_wrong_way_imports(file, source):
     ("engine/x.py", "from attention import get_backend\nfrom . import request"),
     ("server/x.py", "from engine.request import Request\nimport attention"),
     ("attention/x.py", "from .base import AttentionBackend\nimport torch"),
+    ("server/x.py", "def dispatch():\n    import bench.serve"),
+    ("bench/x.py", "from engine.llm import LLM\nfrom server.settings import Option"),
 ])
 def test_checker_accepts_the_right_way(file, source):
     assert layer_violations(ROOT / file, source) == []

@@ -5,7 +5,6 @@ finish, the ones still running at --shutdown-timeout end with finish_reason "abo
 """
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -16,58 +15,14 @@ import pytest
 
 from engine.engine import LLMEngine
 from conftest import build_tiny_model
-from server_utils import (Faults, ServerThread, faulty_engine, parse_metrics, start_server_process,
-                          stop_process)
+from server_utils import (Faults, ServerThread, faulty_engine, parse_metrics, start, start_server_process,
+                          stop_process, wait_for)
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
 
 def metrics(http: httpx.Client) -> dict[str, float]:
     return parse_metrics(http.get("/metrics").text)
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-class Call(threading.Thread):
-    """One request in a thread: a streaming one collects its `data:` payloads, a plain one its response."""
-
-    def __init__(self, base_url: str, body: dict):
-        super().__init__(daemon=True)
-        self.base_url, self.body = base_url, body
-        self.events: list = []
-        self.first = threading.Event()
-        self.response: httpx.Response | None = None
-
-    def run(self) -> None:
-        try:
-            with httpx.Client(base_url=self.base_url, timeout=120) as http:
-                if not self.body.get("stream"):
-                    self.response = http.post("/v1/completions", json=self.body)
-                    return
-                with http.stream("POST", "/v1/completions", json=self.body) as r:
-                    self.response = r
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            self.events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
-                            self.first.set()
-        finally:
-            self.first.set()
-
-    @property
-    def finish_reasons(self) -> list[str]:
-        return [c["finish_reason"] for e in self.events if isinstance(e, dict)
-                for c in e.get("choices", []) if c.get("finish_reason")]
-
-
-def start(base_url: str, body: dict) -> Call:
-    call = Call(base_url, body)
-    call.start()
-    return call
 
 
 # ------------------------------------------------------------------------------------------ model fault

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app, parse_json_object
 from engine.core.process import CoreAddresses
-from server.engine_client import CoreConnection, EngineClient
+from server.engine_client import CoreConnection, CoreEndpoint, EngineClient
 from server.errors import APIError
 from server.settings import ServerSettings
 
@@ -20,7 +20,7 @@ def loading_app(**settings):
     """An app whose engine core never answers (no core process listens on its addresses): it stays loading.
     Returns the app and a function that removes the addresses' folder."""
     addresses = CoreAddresses.new(1)
-    client = EngineClient(CoreConnection(addresses), ServerSettings(**settings))
+    client = EngineClient(CoreConnection([CoreEndpoint(addresses)]), ServerSettings(**settings))
     folder = addresses.inbox[len("ipc://"):].rsplit("/", 1)[0]
     return create_app(client, client.settings), lambda: shutil.rmtree(folder, ignore_errors=True)
 

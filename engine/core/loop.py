@@ -62,7 +62,7 @@ def core_stats(engine) -> CoreStats:
 
 def to_delta(out: StepOutput) -> TokenDelta:
     return TokenDelta(out.request_id, out.index, out.new_token_ids, out.new_logprobs, out.finish_reason,
-                      out.stop_reason, out.error, out.num_prompt_tokens, out.num_cached_tokens)
+                      out.stop_reason, out.error, out.num_prompt_tokens, out.num_cached_tokens, out.prompt_logprobs)
 
 
 class EngineCore:
@@ -129,8 +129,16 @@ class EngineCore:
         for socket, box in zip(self.sockets, self.outboxes):
             if box.has_news() or now - box.last_sent >= HEARTBEAT_S:
                 stats = stats or core_stats(self.engine)
-                socket.send(self.codec.encode(box.take(stats, start, end)), copy=False)
+                self._post(socket, box.take(stats, start, end))
                 box.last_sent = now
+
+    def _post(self, socket: zmq.Socket, message: EngineOutputs) -> None:
+        """Never blocks: the outboxes have no high-water mark, so a send can only fail when the front end is
+        gone (a PUSH socket with no peer); its messages are dropped and the core serves the others."""
+        try:
+            socket.send(self.codec.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.debug("a front end is gone: its message is dropped")
 
     # ---- messages -----------------------------------------------------------------------------------
     def _add(self, msg: AddRequest) -> None:
@@ -197,9 +205,13 @@ class EngineCore:
         self.routes.clear()
 
     def _on_idle(self) -> None:
-        """Busy -> idle: one empty step lets the engine check its idle invariant (and trim memory)."""
+        """Busy -> idle: one empty step lets the engine check its idle invariant (and trim memory). It runs no
+        request, so a failure here is logged and the core goes on."""
         self.busy = False
-        self.engine.step()
+        try:
+            self.engine.step()
+        except Exception:
+            logger.exception("the idle check step failed")
 
     def _shutdown(self) -> None:
         for rid in list(self.routes):

@@ -49,6 +49,7 @@ class EngineCoreSpec:
     # engine_factory(config) -> engine; tests wrap the engine to inject faults. None: LLMEngine.
     engine_factory: Callable | None = None
     env: dict[str, str] = field(default_factory=dict)  # set in the core before anything is imported
+    cpu_threads: int | None = None  # torch threads on the CPU (None: one fewer than the cores)
 
 
 @dataclass
@@ -115,7 +116,12 @@ def _become_engine_core(log_level: str) -> None:
         setproctitle.setproctitle(PROCESS_TITLE)
     except ImportError:
         pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher decides
+    # Ctrl-C, and a SIGTERM sent to the whole process group (systemd's default KillMode, `kill -- -PGID`), reach
+    # the core too: it must keep stepping while the front ends drain. The launcher stops it (Shutdown) after
+    # them; if the launcher is gone, its lifeline ends the core. (Seen on the H200: a group SIGTERM ended the
+    # core at once and every front end logged it as dead mid-drain.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
@@ -150,7 +156,9 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec):
 
     freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
     ready = Ready(str(engine.model_path), engine.tokenizer_path, engine.vocab_size, engine.max_model_len,
-                  str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine))
+                  str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine),
+                  spec.engine_config.block_size,
+                  engine.config.grammar_max_size, engine.config.grammar_compile_fuel)
     for sock in outboxes:
         sock.send(codec.encode(ready))
     logger.info("model loaded in %.1f s: the engine core is ready", time.monotonic() - start)
@@ -167,7 +175,7 @@ def _build(spec: EngineCoreSpec):
     from engine.engine import LLMEngine
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(spec.cpu_threads or max(1, (os.cpu_count() or 1) - 1))
     engine = (spec.engine_factory or LLMEngine)(spec.engine_config)
     if engine.device.type != "cpu":  # a GPU engine keeps torch's default
         torch.set_num_threads(threads)

@@ -1,4 +1,5 @@
-"""Benchmark workloads: the random dataset as vLLM's `bench serve` draws it, ShareGPT JSON and our JSONL.
+"""Benchmark workloads: the random and prefix_repetition datasets as vLLM's `bench serve` draws them, ShareGPT
+JSON and our JSONL.
 
 Shared by `kvserve bench serve` (any OpenAI-compatible server) and `kvserve bench throughput` (the engine).
 Nothing here imports the engine: a tokenizer is optional and only ever a `transformers` one.
@@ -18,6 +19,7 @@ import numpy as np
 SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
+SYNTHETIC = ("random", "prefix_repetition")  # drawn from token ids: no tokenizer needed
 
 
 @dataclass
@@ -74,11 +76,8 @@ def random_requests(num_requests: int, input_len: int, output_len: int, range_ra
     out_low, out_high = _length_bounds(output_len, range_ratio, 1)
     input_lens = rng.integers(in_low, in_high + 1, size=num_requests)
     output_lens = rng.integers(out_low, out_high + 1, size=num_requests)
-    if tokenizer is not None:
-        vocab_size = tokenizer.vocab_size
-        allowed = np.array(sorted(set(range(vocab_size)) - set(tokenizer.all_special_ids)))
-    else:
-        allowed = np.arange(vocab_size)
+    allowed = _allowed_ids(tokenizer, vocab_size)
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else vocab_size
     offsets = rng.integers(0, vocab_size, size=num_requests)
     requests = []
     for i in range(num_requests):
@@ -89,6 +88,43 @@ def random_requests(num_requests: int, input_len: int, output_len: int, range_ra
             prompt, prompt_len = _decode_to_target_len(tokenizer, ids, int(input_lens[i]), rng)
             requests.append(SampleRequest(prompt, prompt_len, int(output_lens[i])))
     return requests
+
+
+def _allowed_ids(tokenizer, vocab_size: int) -> np.ndarray:
+    if tokenizer is None:
+        return np.arange(vocab_size)
+    return np.array(sorted(set(range(tokenizer.vocab_size)) - set(tokenizer.all_special_ids)))
+
+
+def prefix_repetition_requests(num_requests: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                               output_len: int, seed: int = 0, tokenizer=None,
+                               vocab_size: int = 1000) -> list[SampleRequest]:
+    """vLLM's prefix_repetition dataset: `num_prefixes` random prefixes of `prefix_len` tokens, each the start
+    of num_requests / num_prefixes requests whose random suffixes of `suffix_len` tokens differ; every output
+    `output_len` tokens; the requests shuffled, so that requests sharing a prefix arrive apart. Token ids
+    from [0, vocab_size) without a tokenizer; with one, text (prefix and suffix each decoded as vLLM does),
+    the prefix's text the same in every request that shares it."""
+    if num_prefixes < 1 or num_requests % num_prefixes:
+        raise ValueError(f"--num-prompts ({num_requests}) must be a multiple of --prefix-repetition-num-prefixes "
+                         f"({num_prefixes} >= 1)")
+    if prefix_len < 0 or suffix_len < 0 or prefix_len + suffix_len < 1 or output_len < 1:
+        raise ValueError("prefix and suffix lengths must be >= 0 with a prompt of >= 1 token; output >= 1")
+    rng = np.random.default_rng(seed)
+    allowed = _allowed_ids(tokenizer, vocab_size)
+
+    def part(length: int) -> tuple[str | list[int], int]:
+        ids = allowed[rng.integers(0, len(allowed), size=length)].tolist()
+        if tokenizer is None or not length:
+            return ("" if tokenizer is not None else ids), length
+        return _decode_to_target_len(tokenizer, ids, length, rng)
+
+    requests = []
+    for _ in range(num_prefixes):
+        prefix, plen = part(prefix_len)
+        for _ in range(num_requests // num_prefixes):
+            suffix, slen = part(suffix_len)
+            requests.append(SampleRequest(prefix + suffix, plen + slen, output_len))
+    return [requests[i] for i in rng.permutation(len(requests))]
 
 
 def _sharegpt_valid(prompt_len: int, output_len: int, fixed_output: bool) -> bool:
@@ -154,7 +190,8 @@ def jsonl_requests(path: str | Path, num_requests: int, tokenizer=None) -> list[
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("dataset")
     g.add_argument("--dataset", default="random",
-                   help="random, sharegpt (with --dataset-path), or a PATH.jsonl of {prompt, output_len}")
+                   help="random, prefix_repetition, sharegpt (with --dataset-path), or a PATH.jsonl of "
+                        "{prompt, output_len}")
     g.add_argument("--dataset-path", default=None, help="the ShareGPT JSON file for --dataset sharegpt")
     g.add_argument("--num-prompts", type=int, default=100, help="number of requests (default 100)")
     g.add_argument("--random-input-len", type=int, default=1024)
@@ -165,6 +202,12 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
                    help="without --tokenizer: random prompts are token ids in [0, this)")
     g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="fix every ShareGPT request's output length (else the reply's length)")
+    p = parser.add_argument_group("prefix_repetition dataset (vLLM's): shared prefixes, different suffixes")
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="tokens of each shared prefix")
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="tokens of each request's suffix")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="distinct prefixes; each starts --num-prompts / this many requests")
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -174,6 +217,11 @@ def requests_from_args(args: argparse.Namespace, tokenizer=None) -> list[SampleR
     if args.dataset == "random":
         return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, args.seed, tokenizer, args.random_vocab_size)
+    if args.dataset == "prefix_repetition":
+        return prefix_repetition_requests(
+            args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len, args.seed, tokenizer,
+            args.random_vocab_size)
     if args.dataset == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
@@ -181,4 +229,5 @@ def requests_from_args(args: argparse.Namespace, tokenizer=None) -> list[SampleR
                                  args.sharegpt_output_len)
     if args.dataset.endswith(".jsonl"):
         return jsonl_requests(args.dataset, args.num_prompts, tokenizer)
-    raise ValueError(f"--dataset must be random, sharegpt or a .jsonl file, got {args.dataset!r}")
+    raise ValueError(f"--dataset must be random, prefix_repetition, sharegpt or a .jsonl file, "
+                     f"got {args.dataset!r}")

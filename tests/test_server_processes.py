@@ -1,0 +1,141 @@
+"""The processes of `kvserve serve`, killed and signalled for real: a launcher, one engine core
+(`kvserve::engine-core`) and, with --api-server-count N > 1, N front ends (`kvserve::api-server-K`).
+
+- the engine core SIGKILLed: requests in flight end with a 500-class error (an SSE error event when
+  streaming) within a second, /health and /ready turn 503, new work gets 503 engine_dead, nothing hangs;
+- the launcher SIGKILLed: every child (core, front ends) exits, nothing holds the GPU;
+- one front end SIGKILLed: the launcher takes the rest down and exits 1;
+- SIGTERM drains through every process and exits 0 with no child left; /metrics counts every front end.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from server_utils import parse_metrics, start, start_server_process, stop_process, wait_for
+
+LONG = {"prompt": "a long one", "max_tokens": 450, "ignore_eos": True, "temperature": 0}
+SHORT = {"prompt": "a short one", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+def serve(model_dir: str, api_servers: int):
+    return start_server_process(["--model", model_dir, "--device", "cpu", "--num-kv-blocks", "128",
+                                 "--api-server-count", str(api_servers), "--shutdown-timeout", "30",
+                                 "--log-level", "warning"])
+
+
+def reap(proc) -> None:
+    """After a failed assertion: the server must not outlive its test."""
+    if proc.poll() is None:
+        stop_process(proc, sig=signal.SIGKILL)
+
+
+def titled(proc, title: str) -> psutil.Process:
+    """The child of `proc` whose process title is `title` (setproctitle rewrites its command line)."""
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        if " ".join(child.cmdline()).strip() == title:
+            return child
+    raise AssertionError(f"no child titled {title!r}")
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The ones still alive after `timeout` seconds."""
+    psutil.wait_procs(processes, timeout=timeout)
+    return alive(processes)
+
+
+def test_engine_core_killed_fails_in_flight_requests_within_a_second(model_dir):
+    proc, base = serve(model_dir, 1)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        core = titled(proc, "kvserve::engine-core")
+        stream, plain = start(base, {**LONG, "stream": True}), start(base, LONG)
+        assert stream.first.wait(60)
+        wait_for(lambda: core_counts(base) >= 2, timeout=30, what="both requests to be running")
+        killed = time.monotonic()
+        core.kill()
+        stream.join(10), plain.join(10)
+        took = time.monotonic() - killed
+        health, ready = httpx.get(base + "/health", timeout=10), httpx.get(base + "/ready", timeout=10)
+        late = httpx.post(base + "/v1/completions", json=SHORT, timeout=10)
+        code, out = stop_process(proc, timeout=30)
+    finally:
+        reap(proc)
+    assert took < 1.0, f"in-flight requests took {took:.2f} s to fail"
+    assert stream.events[-1] == "[DONE]" and stream.events[-2]["error"]["type"] == "server_error"
+    assert plain.response.status_code == 500 and plain.response.json()["error"]["code"] == "internal_error"
+    assert health.status_code == 503 and ready.status_code == 503
+    assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+    assert code is not None and not wait_gone(children, 10), out[-3000:]
+
+
+def core_counts(base: str) -> float:
+    m = parse_metrics(httpx.get(base + "/metrics", timeout=10).text)
+    return m["kvserve_requests_running"] + m["kvserve_requests_waiting"]
+
+
+def test_launcher_killed_takes_every_child_down(model_dir):
+    proc, base = serve(model_dir, 2)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        stream = start(base, {**LONG, "stream": True})
+        assert stream.first.wait(60)
+        proc.kill()
+        left = wait_gone(children, 15)
+    finally:
+        reap(proc)
+        for p in alive(children):
+            p.kill()
+    assert not left, [p.cmdline() for p in left]
+    stream.join(10)
+    assert not stream.is_alive() and stream.transport_error is not None  # the connection ended; nothing hangs
+
+
+def test_a_front_end_killed_stops_the_server_with_exit_1(model_dir):
+    proc, base = serve(model_dir, 2)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        titled(proc, "kvserve::api-server-1").kill()
+        code, out = stop_process(proc, sig=None, timeout=30)
+    finally:
+        reap(proc)
+    assert code == 1, out[-3000:]
+    assert not wait_gone(children, 10)
+
+
+def test_sigterm_drains_every_process_and_metrics_count_every_front_end(model_dir):
+    proc, base = serve(model_dir, 2)
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        titles = {" ".join(p.cmdline()).strip() for p in children}
+        for _ in range(12):  # a new connection each: the kernel spreads them over both front ends
+            assert httpx.post(base + "/v1/completions", json=SHORT, timeout=60).status_code == 200
+        scrapes = [parse_metrics(httpx.get(base + "/metrics", timeout=10).text) for _ in range(6)]
+        streams = [start(base, {**SHORT, "max_tokens": 40, "stream": True}) for _ in range(4)]
+        for s in streams:
+            assert s.first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        for s in streams:
+            s.join(60)
+        code, out = stop_process(proc, sig=None, timeout=60)
+    finally:
+        reap(proc)
+    assert {"kvserve::engine-core", "kvserve::api-server-0", "kvserve::api-server-1"} <= titles
+    assert {m['kvserve_requests_finished_total{reason="length"}'] for m in scrapes} == {12.0}
+    assert code == 0, out[-3000:]
+    assert all(s.finish_reasons == ["length"] and s.events[-1] == "[DONE]" for s in streams)
+    assert not wait_gone(children, 10)
+    assert "Traceback" not in out
