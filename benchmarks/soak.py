@@ -7,7 +7,10 @@
 The mix: random sampling parameters (temperature, top-p/k, min-p, penalties, seeds, n, stop strings,
 logprobs, echo, logit bias), completions and chat, streaming and not, text and token-id prompts;
 --disconnect-frac of the requests hang up at a random moment, --invalid-frac are invalid and must get
-their documented 4xx. Reported, and the exit status is 0 only when all three hold:
+their documented 4xx, --oversized-frac are over a cap (a megabyte of prompt text, thousands of stop_token_ids
+or logit_bias entries, /detokenize of 70,000 ids, n x max_tokens x logprobs too large) and must get their 4xx
+at once, --slow-frac send their headers a few bytes at a time (within the header timeout: served), and
+--never-read-frac start a stream with a tiny receive buffer, read nothing for a while, then hang up. Reported, and the exit status is 0 only when all three hold:
   * unexpected failures (anything but the expected outcome of each request) == 0
   * leaked KV blocks (`kvserve_kv_blocks_used` once the server is idle again) == 0,
     and no idle-invariant violation (`kvserve_idle_invariant_violations_total`)
@@ -49,7 +52,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
 class Spec:
     """One planned request."""
     index: int
-    kind: str  # "valid" | "disconnect" | "invalid"
+    kind: str  # "valid" | "disconnect" | "invalid" | "oversized" | "slow" | "never_read"
     path: str  # "/v1/completions" | "/v1/chat/completions"
     body: dict | None  # JSON body; None when `raw` is sent instead
     raw: bytes | None = None
@@ -154,18 +157,60 @@ def invalid_spec(rng: random.Random, index: int, model: str | None) -> Spec:
     return Spec(index, "invalid", path, body, raw=raw, expect_status=status, expect_code=code)
 
 
+def oversized_cases(model: str | None) -> list[tuple[str, dict, int, str]]:
+    """(path, body, expected status, expected code): each over one of the server's default caps."""
+    m = {"model": model} if model else {}
+    c = "/v1/completions"
+    return [
+        (c, {**m, "prompt": "1" * 1_000_000, "max_tokens": 1}, 400, "context_length_exceeded"),
+        (c, {**m, "prompt": "hi", "max_tokens": 1, "stop_token_ids": list(range(5000))}, 400, "invalid_value"),
+        (c, {**m, "prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(2000)}}, 400,
+         "invalid_value"),
+        (c, {**m, "prompt": "hi", "n": 64, "max_tokens": 8192, "logprobs": 20}, 400, "invalid_value"),
+        ("/detokenize", {**m, "tokens": [5] * 70_000}, 400, "invalid_value"),
+    ]
+
+
+def oversized_spec(rng: random.Random, index: int, model: str | None) -> Spec:
+    path, body, status, code = rng.choice(oversized_cases(model))
+    return Spec(index, "oversized", path, body, expect_status=status, expect_code=code)
+
+
+def slow_spec(rng: random.Random, index: int, model: str | None, max_tokens: int) -> Spec:
+    spec = valid_spec(rng, index, model, max_tokens)
+    spec.kind, spec.stream = "slow", False
+    spec.body.pop("stream", None)
+    spec.body.pop("stream_options", None)
+    spec.hangup_after = rng.uniform(0.5, 2.0)  # seconds over which the headers trickle in
+    return spec
+
+
+def never_read_spec(rng: random.Random, index: int, model: str | None) -> Spec:
+    body = {"prompt": _text(rng, 5, 50), "max_tokens": 256, "ignore_eos": True, "stream": True, "n": 4,
+            "logprobs": 5}
+    if model:
+        body["model"] = model
+    return Spec(index, "never_read", "/v1/completions", body, stream=True, hangup_after=rng.uniform(1.0, 4.0))
+
+
 def make_plan(num: int, seed: int, model: str | None, disconnect_frac: float, invalid_frac: float,
-              max_tokens: int) -> list[Spec]:
+              max_tokens: int, oversized_frac: float = 0.0, slow_frac: float = 0.0,
+              never_read_frac: float = 0.0) -> list[Spec]:
     rng = random.Random(seed)
+    makers = [(disconnect_frac, lambda i: disconnect_spec(rng, i, model)),
+              (invalid_frac, lambda i: invalid_spec(rng, i, model)),
+              (oversized_frac, lambda i: oversized_spec(rng, i, model)),
+              (slow_frac, lambda i: slow_spec(rng, i, model, max_tokens)),
+              (never_read_frac, lambda i: never_read_spec(rng, i, model))]
     plan = []
     for i in range(num):
-        r = rng.random()
-        if r < disconnect_frac:
-            plan.append(disconnect_spec(rng, i, model))
-        elif r < disconnect_frac + invalid_frac:
-            plan.append(invalid_spec(rng, i, model))
-        else:
-            plan.append(valid_spec(rng, i, model, max_tokens))
+        r, spec = rng.random(), None
+        for frac, make in makers:
+            if r < frac:
+                spec = make(i)
+                break
+            r -= frac
+        plan.append(spec or valid_spec(rng, i, model, max_tokens))
     return plan
 
 
@@ -206,7 +251,7 @@ def _request_args(spec: Spec) -> dict:
 
 async def run_plain(client: httpx.AsyncClient, spec: Spec) -> str:
     resp = await client.post(spec.path, **_request_args(spec))
-    if spec.kind == "invalid":
+    if spec.kind in ("invalid", "oversized"):
         code = _error_code(resp)
         if resp.status_code != spec.expect_status or code != spec.expect_code:
             return f"expected {spec.expect_status} {spec.expect_code}, got {resp.status_code} {code}"
@@ -270,10 +315,59 @@ async def run_disconnect(client: httpx.AsyncClient, spec: Spec) -> str:
     return ""
 
 
+async def _raw_connection(base_url: str, rcvbuf: int | None = None):
+    host, port = base_url.split("//", 1)[1].rsplit(":", 1)
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    return await asyncio.open_connection(sock=sock)
+
+
+def _raw_request(spec: Spec) -> bytes:
+    body = json.dumps(spec.body).encode()
+    return (f"POST {spec.path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+async def run_slow(base_url: str, spec: Spec) -> str:
+    """Headers a few bytes at a time over hangup_after seconds (under the header timeout), then read it all."""
+    reader, writer = await _raw_connection(base_url)
+    data = _raw_request(spec)
+    pieces = [data[i:i + 16] for i in range(0, len(data), 16)]
+    try:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(spec.hangup_after / len(pieces))
+        response = await reader.read()
+    finally:
+        writer.close()
+    head, _, body = response.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        return f"slow client got {head[:100]!r}"
+    return ""
+
+
+async def run_never_read(base_url: str, spec: Spec) -> str:
+    """A stream that is never read (4 KiB receive buffer), then a hang-up: only the leak checks judge it."""
+    _, writer = await _raw_connection(base_url, rcvbuf=4096)
+    writer.write(_raw_request(spec))
+    await asyncio.sleep(spec.hangup_after)
+    writer.transport.abort()
+    return ""
+
+
 async def run_one(client: httpx.AsyncClient, spec: Spec, timeout: float) -> Outcome:
     start = time.monotonic()
+    base_url = str(client.base_url).rstrip("/")
     try:
-        if spec.kind == "disconnect":
+        if spec.kind == "slow":
+            coro = run_slow(base_url, spec)
+        elif spec.kind == "never_read":
+            coro = run_never_read(base_url, spec)
+        elif spec.kind == "disconnect":
             coro = run_disconnect(client, spec)
         elif spec.stream:
             coro = run_stream(client, spec)
@@ -282,7 +376,7 @@ async def run_one(client: httpx.AsyncClient, spec: Spec, timeout: float) -> Outc
         detail = await asyncio.wait_for(coro, timeout=timeout)
     except asyncio.TimeoutError:
         detail = f"no answer within {timeout:.0f} s"
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
+    except (httpx.HTTPError, ValueError, KeyError, OSError) as exc:
         detail = f"{type(exc).__name__}: {exc}"
     return Outcome(spec.index, spec.kind, not detail, detail, time.monotonic() - start)
 
@@ -416,7 +510,8 @@ class Report:
 
 def make_report(plan, outcomes, metrics_end, rss_start, rss_end, elapsed, healthy, max_growth) -> Report:
     failed = sorted((o for o in outcomes if not o.ok), key=lambda o: o.index)
-    kinds = {k: sum(s.kind == k for s in plan) for k in ("valid", "disconnect", "invalid")}
+    kinds = {k: sum(s.kind == k for s in plan)
+             for k in ("valid", "disconnect", "invalid", "oversized", "slow", "never_read")}
     growth = None if not rss_start or rss_end is None else (rss_end - rss_start) / rss_start
     reasons = {k.split("reason=")[1].rstrip("}"): v for k, v in metrics_end.items()
                if k.startswith("kvserve_requests_finished_total{")}
@@ -464,6 +559,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--disconnect-frac", type=float, default=0.10)
     p.add_argument("--invalid-frac", type=float, default=0.05)
+    p.add_argument("--oversized-frac", type=float, default=0.05)
+    p.add_argument("--slow-frac", type=float, default=0.03)
+    p.add_argument("--never-read-frac", type=float, default=0.03)
     p.add_argument("--max-tokens", type=int, default=48, help="largest max_tokens of a valid request")
     p.add_argument("--warmup", type=int, default=20, help="valid requests before RSS is first measured")
     p.add_argument("--seed", type=int, default=0)
@@ -484,7 +582,7 @@ def soak(args: argparse.Namespace, base_url: str, pid: int | None) -> Report:
         wait_idle(client, 60)
         rss_start = rss(pid)
         plan = make_plan(args.num_requests, args.seed, model, args.disconnect_frac, args.invalid_frac,
-                         args.max_tokens)
+                         args.max_tokens, args.oversized_frac, args.slow_frac, args.never_read_frac)
         start = time.monotonic()
         outcomes = asyncio.run(run_plan(base_url, plan, args.concurrency, args.request_timeout,
                                         args.time_limit, not args.no_progress))

@@ -38,6 +38,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks on random-weight models)
+    # Structured outputs: a grammar with more symbols, or whose lexer needs more fuel to build (~50k units a
+    # millisecond), is refused with 400 invalid_grammar (engine/grammar.py).
+    grammar_max_size: int = 500_000
+    grammar_compile_fuel: int = 1_000_000
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,6 +58,8 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+        need(self.grammar_max_size >= 1 and self.grammar_compile_fuel >= 1,
+             "grammar_max_size and grammar_compile_fuel must be >= 1")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -3,6 +3,7 @@ the server drives it from the engine-core process (engine/core/), offline LLM.ge
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -13,9 +14,11 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from engine.malloc import trim_free_memory
 from engine.request import (FINISHED, FinishReason, Request, RequestError, SamplingParams, StepOutput,
-                            completion_id)
+                            TokenLogprob, completion_id)
 from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block, profile_step_peak_bytes
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.grammar import GrammarLimits
+from engine.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,8 @@ class _Completion:
     index: int
     detok: IncrementalDetokenizer | None  # None: no text wanted (detokenize=False or no tokenizer)
     needs_history: bool
+    # prompt_logprobs: gathered chunk by chunk, sent with the first output token (None: not asked, or sent)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -46,6 +51,13 @@ class _Child:
     """A completion made but not yet queued: registered only once the scheduler accepted the request."""
     request: Request
     completion: _Completion
+
+
+@dataclass
+class _Compiling:
+    """A structured request's completions, queued once their grammar is compiled."""
+    requests: list[Request]
+    grammar: Future
 
 
 def needs_history(params: SamplingParams) -> bool:
@@ -113,6 +125,11 @@ class LLMEngine:
                                  else config.async_scheduling)
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet collected
         self._num_history_requests = 0  # live completions whose sampling reads every earlier token
+        self.structured = None if self.tokenizer is None else StructuredOutputs(
+            self.tokenizer, self.vocab_size, self.eos_token_ids,
+            GrammarLimits(config.grammar_max_size, config.grammar_compile_fuel))
+        self.runner.structured = self.structured
+        self._compiling: list[_Compiling] = []  # structured requests waiting for their grammar
         self._log_start()
 
     def _num_blocks_from_memory(self, model) -> int:
@@ -147,14 +164,51 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         children = [self._make_child(request_id, i, prompt_token_ids, params) for i in range(params.n)]
-        self.scheduler.add_request(children[0].request)  # raises before anything is queued
-        for child in children[1:]:
-            self.scheduler.add_request(child.request)
+        if params.structured is not None:
+            self._add_structured(children, params)
+        else:
+            self.scheduler.add_request(children[0].request)  # raises before anything is queued
+            for child in children[1:]:
+                self.scheduler.add_request(child.request)
         for child in children:
             self._completions[child.request.request_id] = child.completion
             self._num_history_requests += child.completion.needs_history
         self._children[request_id] = [c.request.request_id for c in children]
         self._prompt_tokens += len(prompt_token_ids)
+
+    def _add_structured(self, children: list[_Child], params: SamplingParams) -> None:
+        """Checked now, queued in the scheduler once the grammar is compiled (off this thread)."""
+        if self.structured is None:
+            raise RequestError("structured outputs need a tokenizer, and this engine runs without one",
+                               "unsupported", "structured_outputs")
+        self.scheduler.check_fits(children[0].request)
+        future = self.structured.compile(params.structured)
+        self._compiling.append(_Compiling([c.request for c in children], future))
+
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Queue the structured requests whose grammar is ready; fail those whose grammar failed."""
+        outputs, still = [], []
+        for entry in self._compiling:
+            if not entry.grammar.done():
+                still.append(entry)
+                continue
+            live = [r for r in entry.requests if r.request_id in self._completions]  # not aborted meanwhile
+            error = entry.grammar.exception()
+            for req in live:
+                if error is None:
+                    req.grammar = self.structured.new_grammar(entry.grammar)
+                    self.scheduler.add_request(req)
+                else:
+                    out = self._final_output(req.request_id, FinishReason.ERROR)
+                    out.error = getattr(error, "message", None) or f"grammar: {type(error).__name__}"
+                    outputs.append(out)
+        self._compiling = still
+        return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run but requests waiting for their grammar: wait for one (briefly), do not spin."""
+        if self._compiling and not self.scheduler.has_unfinished() and self._inflight is None:
+            wait([c.grammar for c in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
 
     def _make_child(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _Child:
         child_params = params.for_child(index) if params.n > 1 else params
@@ -165,7 +219,10 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, child_params)
-        return _Child(req, _Completion(request_id, index, detok, needs_history(child_params)))
+        comp = _Completion(request_id, index, detok, needs_history(child_params))
+        if params.prompt_logprobs is not None:
+            comp.prompt_logprobs = []
+        return _Child(req, comp)
 
     def abort_request(self, request_id: str) -> None:
         """Abort every completion of `request_id`, or the one completion whose id (completion_id) it is."""
@@ -183,6 +240,9 @@ class LLMEngine:
         """Schedule and launch step N, then finish step N-1 while the device works on N (on CUDA, when no
         live request needs the host to know every token before sampling the next: penalties, min_tokens)."""
         outputs, self._pending = self._pending, []
+        if self._compiling:
+            self._wait_for_grammars()
+            outputs += self._admit_compiled()
         if self._inflight is not None and self._num_history_requests:
             outputs += self._finish(self._inflight)
             self._inflight = None
@@ -198,6 +258,13 @@ class LLMEngine:
                 outputs += self._fail_step(sched_out, exc)
         if self._inflight is not None:
             outputs += self._finish(self._inflight)
+        if launched is not None and launched[1].logits is not None:  # rows under a grammar: sample them now
+            try:
+                self.runner.sample(launched[1])
+            except Exception as exc:
+                logger.exception("sampling failed; failing its %d requests", len(sched_out.scheduled))
+                outputs += self._fail_step(sched_out, exc)
+                launched = None
         self._inflight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._finish(launched)
@@ -218,19 +285,46 @@ class LLMEngine:
     def _postprocess(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[StepOutput]:
         outputs = []
         completions, logprobs = self._completions, runner_out.logprobs  # bound once: ~256 requests a step
+        if runner_out.prompt_logprobs:
+            self._gather_prompt_logprobs(runner_out.prompt_logprobs)
         for req in self.scheduler.update(sched_out, runner_out.sampled):
             comp = completions[req.request_id]
             token = req.output_token_ids[-1]
+            if req.grammar is not None:
+                self._advance_grammar(req, token)
             text = self._detokenize(req, comp.detok, token) if comp.detok else ""
             lp = logprobs.get(req.request_id) if logprobs else None
             # Positional, error=None: keyword arguments cost ~0.1 us apiece, ~256 times a step.
             outputs.append(StepOutput(comp.parent_id, comp.index, [token], text, [lp] if lp else None,
                                       req.finish_reason, req.stop_reason, None, len(req.prompt_token_ids),
                                       req.num_cached_tokens))
+            if comp.prompt_logprobs is not None:
+                outputs[-1].prompt_logprobs, comp.prompt_logprobs = comp.prompt_logprobs, None
             if req.status is FINISHED:
                 self._forget(req.request_id)
         self._generation_tokens += len(outputs)
         return outputs
+
+    def _gather_prompt_logprobs(self, chunks) -> None:
+        """Append each chunk's prompt logprobs to its completion's; positions already gathered (a preempted
+        request computes its prompt again) are skipped."""
+        for rid, chunk in chunks.items():
+            comp = self._completions.get(rid)
+            if comp is None or comp.prompt_logprobs is None:
+                continue
+            have = len(comp.prompt_logprobs) + 1  # the next prompt position wanted
+            comp.prompt_logprobs += chunk.logprobs[max(0, have - chunk.start):]
+
+    def _advance_grammar(self, req: Request, token: int) -> None:
+        """The matcher consumes the token; one it refuses (the mask was bypassed) ends the request. EOS is
+        allowed only where the grammar ends: with ignore_eos the request goes on, unconstrained from there."""
+        if token in req.eos_token_ids and req.sampling_params.ignore_eos:
+            req.grammar = None
+            return
+        if req.grammar.accept(token) or req.is_finished:
+            return
+        logger.error("request %s: token %d breaks its grammar (%s)", req.request_id, token, req.grammar.error())
+        self.scheduler.finish_request(req.request_id, FinishReason.ERROR)
 
     def _detokenize(self, req: Request, detok: IncrementalDetokenizer, token: int) -> str:
         """The token's text; a stop string in it finishes the request."""

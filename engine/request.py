@@ -29,6 +29,35 @@ def _is_finite_number(x) -> bool:
 
 
 @dataclass
+class StructuredOutput:
+    """A constraint on a completion's text: exactly one of its fields is set. Plain data, so it travels in
+    SamplingParams to the engine core; engine/grammar.py turns it into a grammar."""
+    json: str | None = None  # a JSON schema, serialized
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # one of these strings, exactly
+    grammar: str | None = None  # Lark, or GBNF (`root ::= ...`)
+
+    def param(self) -> str:
+        """The field's name in `structured_outputs` (what an error names)."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return f"structured_outputs.{name}"
+        return "response_format"
+
+    def key(self) -> tuple:
+        """Cache key: equal constraints share one compiled grammar."""
+        return (self.json, self.json_object, self.regex, tuple(self.choice) if self.choice else None, self.grammar)
+
+    def validate(self) -> None:
+        kinds = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        _check(sum(kinds) == 1, "structured_outputs", "give exactly one of json, regex, choice, grammar")
+        _check(self.choice is None or (bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", "must be a non-empty list of non-empty strings")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 means greedy
@@ -49,6 +78,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (benchmarks; vLLM's option of the same name)
+    structured: StructuredOutput | None = None  # the grammar the output must follow
+    # None: off; k: each prompt token's logprob (after the first) and the top k. Such a request computes
+    # logits at every prompt position, so it takes no prefix-cache hit.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +120,14 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "must be non-negative integers")
+        if self.prompt_logprobs is not None:
+            _check(isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                   and 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                   f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured is not None:
+            self.structured.validate()
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with a structured output (the grammar "
+                   "decides where the output may end)", "unsupported")
         if self.logit_bias is not None:
             _check(all(isinstance(k, int) and _is_finite_number(v) for k, v in self.logit_bias.items()),
                    "logit_bias", "must map token ids to finite numbers")
@@ -144,6 +185,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # The matcher of a structured request (engine.structured.Grammar): it has consumed every output token,
+    # so a preempted request resumes its grammar where it was (recompute changes the KV, not the tokens).
+    grammar: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -208,6 +252,8 @@ class StepOutput:
     error: str | None = None  # set with FinishReason.ERROR
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # prompt_logprobs: the prompt's tokens from the second on, once, with the completion's first output
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -223,6 +269,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # from the prompt's second token on
 
 
 @dataclass

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,9 +17,26 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens start, start + 1, ... (start >= 1: the first token has none)."""
+    start: int
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class PromptRows:
+    """A request's prompt positions in this step whose logits score the next prompt token."""
+    request: Request
+    flat_start: int  # index of the first such position in the step's flat tokens
+    first_pos: int  # its position in the prompt
+    count: int
+
+
+@dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # request_id -> new token, for requests whose step reached the end of their tokens
     logprobs: dict[str, TokenLogprob]  # only for requests that asked for logprobs
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # prompt_logprobs requests only
 
 
 @dataclass
@@ -31,6 +48,7 @@ class StepInputs:
     sample_requests: list[Request]
     # (flat token index, request id): inputs sampled by the previous step and not yet read back to the host
     pending: list[tuple[int, str]]
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # requests that asked for prompt_logprobs
 
 
 @dataclass
@@ -42,6 +60,8 @@ class StepHandle:
     token_lp: torch.Tensor | None  # [n, vocab] log-probs, only when some request asked for logprobs
     host_tokens: torch.Tensor | None  # [n] pinned host copy, valid once `done` has happened
     done: torch.cuda.Event | None
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None  # already on the host
+    logits: torch.Tensor | None = None  # [n, vocab] until sampled (a step with grammar rows: engine calls sample)
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -64,6 +84,8 @@ def prepare_inputs(out: SchedulerOutput) -> StepInputs:
                 token = 0
             input_ids.append(token)
             positions.append(start)
+            if start < len(req.prompt_token_ids) - 1 and req.sampling_params.prompt_logprobs is not None:
+                _add_prompt_rows(inputs, req, start, 1)
         else:
             known = req.token_ids_between(start, start + num_new)
             if len(known) < num_new:  # the last input was sampled by the step still in flight
@@ -71,11 +93,50 @@ def prepare_inputs(out: SchedulerOutput) -> StepInputs:
                 known.append(0)
             input_ids += known
             positions += range(start, start + num_new)
+            if req.sampling_params.prompt_logprobs is not None:
+                _add_prompt_rows(inputs, req, start, num_new)
         seqs.append(SeqSpec(start, num_new, req.block_ids))
         if sr.samples:
             inputs.sample_indices.append(len(input_ids) - 1)
             inputs.sample_requests.append(req)
     return inputs
+
+
+def _add_prompt_rows(inputs: StepInputs, req: Request, start: int, num_new: int) -> None:
+    """Positions start .. start + num_new - 1 were just appended; those before the prompt's last one score a
+    prompt token."""
+    end = min(start + num_new, len(req.prompt_token_ids) - 1)
+    if end > start:
+        inputs.prompt_rows.append(PromptRows(req, len(inputs.input_ids) - num_new, start, end - start))
+
+
+PROMPT_LOGPROB_CHUNK = 256  # rows of full-vocabulary logits at a time (256 x 128k float32 = 128 MiB)
+
+
+@torch.inference_mode()
+def prompt_logprobs(model, hidden: torch.Tensor, rows: list[PromptRows]) -> dict[str, PromptLogprobs]:
+    """log_softmax (float32) of the logits at each listed position, read at the next prompt token, with the
+    request's top k; computed PROMPT_LOGPROB_CHUNK rows at a time and brought to the host."""
+    flat = [r.flat_start + i for r in rows for i in range(r.count)]
+    targets = [r.request.prompt_token_ids[r.first_pos + 1 + i] for r in rows for i in range(r.count)]
+    k = max(r.request.sampling_params.prompt_logprobs for r in rows)
+    chosen, top_v, top_i = [], [], []
+    for at in range(0, len(flat), PROMPT_LOGPROB_CHUNK):
+        idx = torch.tensor(flat[at:at + PROMPT_LOGPROB_CHUNK], device=hidden.device)
+        lp = torch.log_softmax(model.compute_logits(hidden[idx]).float(), dim=-1)
+        tgt = torch.tensor(targets[at:at + PROMPT_LOGPROB_CHUNK], device=hidden.device).unsqueeze(1)
+        chosen += lp.gather(1, tgt).squeeze(1).tolist()
+        v, i = lp.topk(k, dim=-1)
+        top_v += v.tolist()
+        top_i += i.tolist()
+    out, j = {}, 0
+    for r in rows:
+        kr = r.request.sampling_params.prompt_logprobs
+        lps = [TokenLogprob(targets[j + i], chosen[j + i], list(zip(top_i[j + i][:kr], top_v[j + i][:kr])))
+               for i in range(r.count)]
+        out[r.request.request_id] = PromptLogprobs(r.first_pos + 1, lps)
+        j += r.count
+    return out
 
 
 @torch.inference_mode()
@@ -130,6 +191,7 @@ class ModelRunner:
         self.warm_up()
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
+        self.structured = None  # engine.structured.StructuredOutputs, set by the engine when it has a tokenizer
         self.decode_graphs: CudaGraphSteps | None = None
         self.mixed_graphs: CudaGraphSteps | None = None
         self._last = StepHandle([], [], None, None, None, None)  # the step launched most recently
@@ -192,18 +254,36 @@ class ModelRunner:
         graphs = self._graphs_for(inputs)
         hidden = self._run_graph(graphs, inputs) if graphs else self._run_eager(inputs)  # [num_tokens, hidden]
         handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
+        if inputs.prompt_rows:
+            handle.prompt_logprobs = prompt_logprobs(self.model, hidden, inputs.prompt_rows)
         if ids:
             if len(ids) < hidden.shape[0]:  # rows that do not sample: prefill tokens, chunks that end no prompt
                 hidden = hidden[self._to_device(inputs.sample_indices)]
-            logits = self.model.compute_logits(hidden)  # [n, vocab]
-            handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, inputs.sample_requests)
-            if self.device.type == "cuda":
-                handle.host_tokens = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
-                handle.host_tokens.copy_(handle.tokens, non_blocking=True)
-                handle.done = torch.cuda.Event()
-                handle.done.record()
+            handle.logits = self.model.compute_logits(hidden)  # [n, vocab]
+            if not self.needs_masks(inputs.sample_requests):
+                self.sample(handle)
         self._last = handle
         return handle
+
+    def needs_masks(self, requests: list[Request]) -> bool:
+        """Whether some row samples under a grammar: then the engine calls sample() itself, once the previous
+        step's tokens are read and every matcher has consumed them (the forward already runs meanwhile)."""
+        return self.structured is not None and any([r.grammar is not None for r in requests])
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle) -> None:
+        """Sample a launched step's logits (grammar masks first, filled now), leaving the tokens on the device."""
+        logits, handle.logits = handle.logits, None
+        if self.structured is not None:
+            masks = self.structured.fill(handle.requests)
+            if masks is not None:
+                self.structured.apply(logits, masks)
+        handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
+        if self.device.type == "cuda":
+            handle.host_tokens = torch.empty(len(handle.request_ids), dtype=torch.long, pin_memory=True)
+            handle.host_tokens.copy_(handle.tokens, non_blocking=True)
+            handle.done = torch.cuda.Event()
+            handle.done.record()
 
     def _graphs_for(self, inputs: StepInputs) -> CudaGraphSteps | None:
         num_tokens, num_prev = len(inputs.input_ids), len(self._last.request_ids)
@@ -241,14 +321,15 @@ class ModelRunner:
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and read its sampled tokens (and logprobs) on the host."""
+        prompt_lps = handle.prompt_logprobs or {}
         if not handle.request_ids:
-            return RunnerOutput({}, {})
+            return RunnerOutput({}, {}, prompt_lps)
         if handle.token_lp is None and handle.done is not None:
             handle.done.synchronize()
             token_ids = handle.host_tokens.tolist()
-            return RunnerOutput(dict(zip(handle.request_ids, token_ids)), {})
+            return RunnerOutput(dict(zip(handle.request_ids, token_ids)), {}, prompt_lps)
         with torch.inference_mode():
             sampled = self.sampler.to_host(handle.tokens, handle.token_lp,
                                            [r.sampling_params for r in handle.requests])
         logprobs = {rid: lp for rid, lp in zip(handle.request_ids, sampled.logprobs) if lp is not None}
-        return RunnerOutput(dict(zip(handle.request_ids, sampled.token_ids)), logprobs)
+        return RunnerOutput(dict(zip(handle.request_ids, sampled.token_ids)), logprobs, prompt_lps)

@@ -226,9 +226,12 @@ def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | 
         sorted_logits.masked_fill_(ranks >= k.unsqueeze(1), float("-inf"))
     if p is not None:
         probs = sorted_logits.softmax(dim=-1)
-        # A token stays when the tokens ranked above it hold less than p; the best always stays.
+        # A token stays when the tokens ranked above it hold less than p; the best always stays, also when p
+        # itself is below what float32 holds (a top_p of 1e-46 is 0 here, and 0 >= 0 would drop every token).
         mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits.masked_fill_(mass_before >= p.unsqueeze(1), float("-inf"))
+        drop = mass_before >= p.unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 

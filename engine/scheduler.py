@@ -98,6 +98,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def check_fits(self, request: Request) -> None:
+        """add_request's size checks without queueing (a request that waits for its grammar first)."""
+        self._check_fits(request)
+
     def _check_fits(self, request: Request) -> None:
         p, max_tokens = request.num_prompt_tokens, request.max_tokens
         # Without max_tokens only the prompt and one generated token must fit.
@@ -226,7 +230,9 @@ class Scheduler:
         return written < sibling.num_prompt_tokens
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
-        hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+        # prompt_logprobs need the logits of every prompt position: no prefix-cache hit for those requests
+        hit_blocks, num_hit = ([], 0) if request.sampling_params.prompt_logprobs is not None else (
+            self.kv.get_computed_blocks(request))
         num_new = min(request.num_tokens - num_hit, budget)
         if not self.kv.allocate_slots(request, num_new, hit_blocks):
             return None

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from server import __version__
 from server.engine_client import EngineClient, own_copy
@@ -24,8 +27,12 @@ from server.errors import APIError, from_validation_errors, install_handlers
 from server.metrics import CONTENT_TYPE
 from server.middleware import APIKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
 from server import protocol as P
-from server import serving
+from server import serving, tools
+from server.prompts import check_chars, max_token_chars
 from server.settings import ServerSettings
+from server.structured import GrammarChecker, structured_output
+from engine.grammar import GrammarLimits
+from engine.request import RequestError
 
 logger = logging.getLogger("kvserve.server")
 
@@ -38,28 +45,48 @@ _SSE = {"text/event-stream": {"schema": {
                    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 
 
+DEADLINE_GRACE = 1.0  # seconds past a stream's deadline before its connection is dropped
+
+
 class SSEResponse(StreamingResponse):
-    """Closes its generator however the response ends, so an abandoned stream aborts its request at once."""
+    """Closes its generator however the response ends, so an abandoned stream aborts its request at once.
+
+    A stream past its deadline normally ends itself (an error event, then [DONE]); one whose client reads
+    nothing cannot, as it waits to write. DEADLINE_GRACE seconds later its connection is dropped
+    (http_guard's `kvserve.abort`), which ends the response and aborts the request: a stream never outlives
+    its deadline by more than that, and never holds a shutdown up."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content):
+    def __init__(self, content, deadline: float | None = None):
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.deadline = deadline  # time.monotonic()
 
     async def __call__(self, scope, receive, send):
+        abort = scope.get("extensions", {}).get("kvserve.abort")
+        guard = None
+        if self.deadline is not None and abort is not None:
+            delay = max(0.0, self.deadline + DEADLINE_GRACE - time.monotonic())
+            guard = asyncio.get_running_loop().call_later(delay, abort)
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if guard is not None:
+                guard.cancel()
             await self.body_iterator.aclose()
 
 
 def create_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="kvserve", version=__version__, lifespan=_lifespan(client, settings),
-                  docs_url="/docs", redoc_url=None)
+    # FastAPIOffline: /docs serves Swagger UI's files from the fastapi-offline package, not from a CDN
+    app = FastAPIOffline(title="kvserve", version=__version__, lifespan=_lifespan(client, settings),
+                         docs_url="/docs", redoc_url=None, static_url="/docs-assets")
     app.state.engine = client
     app.state.settings = settings
     app.state.ctx = None  # ServingContext, built once the model is loaded
+    client.metrics.name_engines(model_names(client.model, settings)[0],  # the vllm:* series' labels
+                                lambda: {link.index: link.stats for link in client.links})
     install_handlers(app)
+    app.add_exception_handler(serving.ClientGone, _client_gone)
     _add_routes(app, client)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.api_key:
@@ -74,7 +101,7 @@ def create_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
 def _lifespan(client: EngineClient, settings: ServerSettings):
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
+        executor = ThreadPoolExecutor(max_workers=settings.tokenizer_workers, thread_name_prefix="kvserve-tokenize")
         app.state.executor = executor
         await client.start()
         try:
@@ -97,24 +124,41 @@ def serving_context(app: FastAPI) -> serving.ServingContext:
     s, eng = app.state.settings, aengine.info
     limits = P.Limits(vocab_size=eng.vocab_size, max_n=s.max_n, max_logprobs=s.max_logprobs,
                       max_stop_sequences=s.max_stop_sequences, max_stop_length=s.max_stop_length,
-                      max_tokens_cap=s.max_tokens_cap)
+                      max_tokens_cap=s.max_tokens_cap, max_stop_token_ids=s.max_stop_token_ids,
+                      max_logit_bias=s.max_logit_bias, max_messages=s.max_messages,
+                      max_response_logprobs=s.max_response_logprobs, max_model_len=eng.max_model_len)
     max_prompt = min(s.max_prompt_tokens or eng.max_model_len, eng.max_model_len)
-    app.state.ctx = serving.ServingContext(aengine, own_copy(aengine.tokenizer), model_name(aengine.model, s), limits,
-                                           max_prompt, app.state.executor, s.log_requests)
+    tokenizer = own_copy(aengine.tokenizer)
+    names = model_names(aengine.model, s)
+    max_chars = max_prompt * max_token_chars(tokenizer) if tokenizer is not None else 1 << 62
+    app.state.ctx = serving.ServingContext(aengine, tokenizer, names[0], limits, max_prompt, app.state.executor,
+                                           s.log_requests, names, max_chars, s.chat_parse_special_tokens)
+    app.state.ctx.tool_call_parser, app.state.ctx.reasoning_parser = s.tool_call_parser, s.reasoning_parser
+    app.state.ctx.chat_template = _read_template(s.chat_template)
+    app.state.ctx.grammars = GrammarChecker(app.state.ctx.tokenizer, eng.vocab_size,
+                                            GrammarLimits(eng.grammar_max_size, eng.grammar_compile_fuel))
     return app.state.ctx
 
 
-def model_name(model: str | None, settings: ServerSettings) -> str:
+def _read_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents when it names a file, else the template itself."""
+    if value and "{" not in value and Path(value).is_file():
+        return Path(value).read_text()
+    return value
+
+
+def model_names(model: str | None, settings: ServerSettings) -> tuple[str, ...]:
+    """--served-model-name's names (the first is reported), else one name from the model path."""
     if settings.served_model_name:
-        return settings.served_model_name
+        return tuple(settings.served_model_name)
     if model is None:
-        return "SmolLM2-135M-Instruct"
-    return model if not Path(model).exists() else Path(model).resolve().name
+        return ("SmolLM2-135M-Instruct",)
+    return (model if not Path(model).exists() else Path(model).resolve().name,)
 
 
 def check_model(ctx: serving.ServingContext, requested: str | None, configured: str | None) -> None:
     """A missing model is fine (one model is served); a wrong one is 404."""
-    if requested is None or requested in (ctx.model_name, configured):
+    if requested is None or requested in ctx.model_names or requested == configured:
         return
     raise APIError(404, f"model {requested[:100]!r} does not exist; this server serves {ctx.model_name!r}",
                    "model_not_found", "model")
@@ -128,6 +172,8 @@ async def read_json(request: Request) -> dict:
             raise APIError(415, "Content-Type must be application/json", "unsupported_media_type")
     try:
         raw = await request.body()
+    except ClientDisconnect:  # it hung up mid-body: nobody to answer, nothing to log
+        raise serving.ClientGone() from None
     except BodyTooLarge:
         raise APIError(413, f"request body is larger than {request.app.state.settings.max_body_bytes} bytes",
                        "request_too_large") from None
@@ -166,27 +212,9 @@ def parse_model(cls: type[BaseModel], body: dict):
         raise from_validation_errors(exc.errors(include_input=False)) from None
 
 
-async def until_disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(request: Request, coro):
-    """Await `coro`, cancelling it (so its generation aborts) if the client hangs up first."""
-    work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await work
-    return None
+async def _client_gone(_: Request, exc: serving.ClientGone) -> Response:
+    logger.debug("a client hung up before its response began")
+    return Response(status_code=499)
 
 
 def _add_routes(app: FastAPI, aengine: EngineClient) -> None:
@@ -202,20 +230,23 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         ctx = serving_context(app)
         req = parse_model(P.CompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
-        params = P.completion_params(req, ctx.limits)
+        params = await _with_structured(ctx, req, P.completion_params(req, ctx.limits))
         texts, prompts = P.split_prompt(req.prompt)
         P.check_num_completions(len(texts or prompts), params.n, ctx.limits)
+        P.check_response_size(len(texts or prompts) * params.n, params.max_tokens, params.logprobs, ctx.limits)
         if texts:
-            prompts = await ctx.run(serving.tokenize_texts, ctx, texts)
+            check_chars(texts, ctx.max_prompt_chars, ctx.max_prompt_tokens)
+            prompts = await ctx.run_for(request, serving.tokenize_texts, ctx, texts)
         serving.prompt_check(ctx, prompts)
         if req.echo and not texts:
-            texts = await ctx.run(lambda: [ctx.tokenizer.decode(p) if ctx.tokenizer else "" for p in prompts])
+            texts = await ctx.run_for(request, lambda: [ctx.tokenizer.decode(p) if ctx.tokenizer else ""
+                                                        for p in prompts])
         if params.stop:
             ctx.need_tokenizer("a stop string")
         rid = serving.new_id("cmpl")
         _log_request(ctx, rid, texts or prompts, prompts)
         gen = await aengine.generate(rid, prompts, params, req.timeout)
-        return await _respond(request, req.stream, lambda: serving.completion_stream(ctx, gen, req, rid, texts),
+        return await _respond(request, req.stream, gen, lambda: serving.completion_stream(ctx, gen, req, rid, texts),
                               lambda: serving.completion_response(ctx, gen, req, rid, texts))
 
     @app.post("/v1/chat/completions",
@@ -225,28 +256,67 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         ctx = serving_context(app)
         req = parse_model(P.ChatCompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
-        params = P.chat_params(req, ctx.limits)
-        prompt = await ctx.run(serving.apply_chat_template, ctx, req)
+        params = await _with_structured(ctx, req, P.chat_params(req, ctx.limits))
+        parser = await _tool_calls(ctx, req, params)
+        prompt = await ctx.run_for(request, serving.chat_prompt, ctx, req)
         serving.prompt_check(ctx, [prompt])
         rid = serving.new_id("chatcmpl")
         _log_request(ctx, rid, [P.message_dicts(req.messages)], [prompt])
         gen = await aengine.generate(rid, [prompt], params, req.timeout)
-        return await _respond(request, req.stream, lambda: serving.chat_stream(ctx, gen, req, rid),
-                              lambda: serving.chat_response(ctx, gen, req, rid))
+        return await _respond(request, req.stream, gen, lambda: serving.chat_stream(ctx, gen, req, rid, parser),
+                              lambda: serving.chat_response(ctx, gen, req, rid, parser))
 
     @app.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
     async def models():
         ctx = serving_context(app)
-        card = {"id": ctx.model_name, "object": "model", "created": aengine.created,
-                "owned_by": "kvserve", "max_model_len": aengine.info.max_model_len}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": aengine.created, "owned_by": "kvserve",
+                  "max_model_len": aengine.info.max_model_len} for name in ctx.model_names]
+        return {"object": "list", "data": cards}
 
 
-async def _respond(request: Request, stream: bool, make_stream, make_body) -> Response:
+async def _with_structured(ctx: serving.ServingContext, req, params):
+    """The request's constraint (response_format, structured_outputs, guided_*), checked in the tokenization
+    thread (a bad one is a 400 before the engine sees it), into its SamplingParams. First, any field kvserve
+    would not honour is refused (400 unsupported)."""
+    P.check_unsupported(req)
+    params.prompt_logprobs = P.prompt_logprobs_of(req, ctx.limits)
+    so = structured_output(req)
+    if so is None:
+        return params
+    await ctx.run(ctx.grammars.check, so)
+    params.structured = so
+    _check_params(params)
+    return params
+
+
+def _check_params(params) -> None:
+    """SamplingParams' own checks again, after a constraint was added."""
+    try:
+        params.validate()
+    except RequestError as err:
+        raise APIError(400, err.message, err.code, err.param) from None
+
+
+async def _tool_calls(ctx: serving.ServingContext, req, params):
+    """The parser of the reply's tool calls (None: plain text); a forced call (tool_choice required or named)
+    becomes the request's grammar."""
+    parser = tools.tool_parser(req, ctx.tool_call_parser, serving.chat_template(ctx, req))
+    forced = tools.forced_call_grammar(req, parser)
+    if forced is not None:
+        if params.structured is not None:
+            raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format",
+                           "invalid_value", "tool_choice")
+        await ctx.run(ctx.grammars.check, forced)
+        params.structured = forced
+        _check_params(params)
+    return parser
+
+
+async def _respond(request: Request, stream: bool, gen, make_stream, make_body) -> Response:
     """An SSE stream, or the whole JSON body once ready (499 when the client left before it was)."""
     if stream:
-        return SSEResponse(make_stream())
-    body = await unless_disconnected(request, make_body())
+        return SSEResponse(make_stream(), gen.deadline)
+    body = await serving.unless_disconnected(request, make_body())
     return JSONResponse(body) if body is not None else Response(status_code=499)
 
 
@@ -260,10 +330,12 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
         if req.prompt is None and req.messages is None:
             raise APIError(400, "give prompt or messages", "invalid_value", "prompt")
         if req.messages is not None:
-            ids = await ctx.run(serving.apply_chat_template, ctx, req)
+            ids = await ctx.run_for(request, serving.chat_prompt, ctx, req)
         else:
             tokenizer = ctx.need_tokenizer("tokenize")
-            ids = await ctx.run(lambda: tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            check_chars([req.prompt], ctx.max_prompt_chars, ctx.max_prompt_tokens)
+            ids = await ctx.run_for(request, lambda: tokenizer.encode(req.prompt,
+                                                                      add_special_tokens=req.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": app.state.engine.info.max_model_len}
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS,
@@ -272,10 +344,13 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
         ctx = serving_context(app)
         req = parse_model(P.DetokenizeRequest, await read_json(request))
         check_model(ctx, req.model, app.state.engine.model)
+        cap = app.state.settings.max_detokenize_tokens
+        if len(req.tokens) > cap:
+            raise APIError(400, f"tokens: at most {cap} token ids on this server", "invalid_value", "tokens")
         if req.tokens and max(req.tokens) >= ctx.limits.vocab_size:
             raise APIError(400, f"tokens: token ids must be in [0, {ctx.limits.vocab_size})", "invalid_value",
                            "tokens")
-        return {"prompt": await ctx.run(ctx.need_tokenizer("detokenize").decode, req.tokens)}
+        return {"prompt": await ctx.run_for(request, ctx.need_tokenizer("detokenize").decode, req.tokens)}
 
 
 def _add_ops_routes(app: FastAPI, aengine: EngineClient) -> None:

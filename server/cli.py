@@ -25,6 +25,11 @@ YAML config files use the option names with underscores, e.g. `max_num_seqs: 64`
 """
 
 
+class _JoinLists(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [item for value in values for item in value])
+
+
 def _flag(opt: Option) -> str:
     return "--" + opt.name.replace("_", "-")
 
@@ -33,7 +38,10 @@ def _add_option(group, opt: Option) -> None:
     env = ENV_PREFIX + opt.name.upper()
     default = "unset" if opt.default is None else opt.default
     help_text = f"{opt.help} (default: {default}; env {env})"
-    if opt.kind == "bool":
+    if opt.kind == "list":  # comma- or space-separated, as vLLM's --served-model-name a b
+        group.add_argument(_flag(opt), dest=opt.name, default=argparse.SUPPRESS, metavar="VALUE", nargs="+",
+                           action=_JoinLists, type=lambda text, o=opt: parse_text(o, text), help=help_text)
+    elif opt.kind == "bool":
         group.add_argument(_flag(opt), dest=opt.name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=help_text)
     else:

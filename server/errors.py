@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger("kvserve.server")
 
 MAX_MESSAGE_CHARS = 300  # errors never echo a whole (possibly huge) input back
+MAX_PARAM_CHARS = 100  # a param names a field, but its path may hold input (a logit_bias key)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error",
@@ -44,7 +45,7 @@ class APIError(Exception):
         self.status = status
         self.message = truncate(message)
         self.code = code
-        self.param = param
+        self.param = None if param is None else truncate(param, MAX_PARAM_CHARS)
         self.headers = headers or {}
 
     def body(self) -> dict:
@@ -63,6 +64,7 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
+    param = None if param is None else truncate(param, MAX_PARAM_CHARS)
     return {"error": {"message": truncate(message), "type": error_type(status), "param": param, "code": code}}
 
 

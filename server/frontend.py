@@ -10,6 +10,7 @@ seconds, the rest are aborted. A second signal aborts everything at once.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import sys
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from server.engine_client import CoreConnection, EngineClient
+from server.http_guard import EdgeLimits, guarded_protocol
 
 logger = logging.getLogger("kvserve.server")
 
@@ -41,8 +43,31 @@ def build_frontend(spec: FrontendSpec):
 
 
 def uvicorn_config(app, settings) -> uvicorn.Config:
+    """uvicorn with the HTTP edge of server/http_guard.py (connection cap, header / body / write timeouts,
+    framing) and an access log that never shows a query string."""
+    limits = EdgeLimits(settings.max_connections, settings.header_timeout, settings.body_timeout,
+                        settings.write_timeout)
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                          lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                          lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=settings.keep_alive_timeout,
+                          http=guarded_protocol(limits), log_config=_log_config())
+
+
+class RedactQuery(logging.Filter):
+    """uvicorn's access-log record is (client, method, path?query, http version, status): the query string
+    may hold a credential (`?api_key=...`), so it is replaced by `?<redacted>`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (*args[:2], args[2].split("?", 1)[0] + "?<redacted>", *args[3:])
+        return True
+
+
+def _log_config() -> dict:
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    config.setdefault("filters", {})["redact_query"] = {"()": RedactQuery}
+    config["handlers"]["access"]["filters"] = ["redact_query"]
+    return config
 
 
 def serve(spec: FrontendSpec, sockets=None) -> int:
@@ -112,6 +137,12 @@ class DrainingServer(uvicorn.Server):
             self._drain_started = True
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
+    def _drop_stalled(self) -> None:
+        """Responses blocked on clients that read nothing would hold the exit up: drop their connections."""
+        for conn in list(self.server_state.connections):
+            if getattr(conn, "stalled", False):
+                conn.abort()
+
     def request_exit(self) -> None:
         self.should_exit = True
 
@@ -122,5 +153,7 @@ class DrainingServer(uvicorn.Server):
         if not await self.aengine.wait_idle(self.shutdown_timeout):
             logger.warning("shutdown timeout: aborting %d requests", self.aengine.num_live)
             self.aengine.abort_all()
-            await self.aengine.wait_idle(10.0)
+            if not await self.aengine.wait_idle(1.0):
+                self._drop_stalled()
+                await self.aengine.wait_idle(10.0)
         self.should_exit = True

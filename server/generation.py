@@ -26,7 +26,7 @@ class Closed:
 
 class Completion:
     """Front-end state of one completion: its text so far (detokenizer) and its tokens not yet handed out."""
-    __slots__ = ("engine_id", "index", "detok", "finished", "tokens", "logprobs", "num_cached")
+    __slots__ = ("engine_id", "index", "detok", "finished", "tokens", "logprobs", "num_cached", "prompt_logprobs")
 
     def __init__(self, engine_id: str, index: int, detok: IncrementalDetokenizer | None) -> None:
         self.engine_id, self.index, self.detok = engine_id, index, detok
@@ -34,6 +34,21 @@ class Completion:
         self.tokens: list[int] = []  # held back by stream_interval
         self.logprobs: list | None = None
         self.num_cached = 0
+        self.prompt_logprobs: list | None = None  # until handed out with the next output
+
+
+class TokenTimes:
+    """When one completion's first and latest tokens came (ends of engine steps) and how many: its latency
+    metrics."""
+    __slots__ = ("first", "last", "count")
+
+    def __init__(self, now: float, count: int) -> None:
+        self.first = self.last = now
+        self.count = count
+
+    def time_per_output_token(self) -> float:
+        """vLLM's per-request TPOT: the decode time over the tokens after the first (0 for one token)."""
+        return (self.last - self.first) / (self.count - 1) if self.count > 1 else 0.0
 
 
 class Generation:
@@ -57,7 +72,7 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
         self.stream_interval = stream_interval
-        self._last_token_time: dict[str, float] = {}
+        self._token_times: dict[str, TokenTimes] = {}  # by f"{engine request id}#{completion index}"
 
     def _completion(self, rid: str, index: int, tokenizer) -> Completion:
         detok = None
@@ -117,8 +132,10 @@ class Generation:
         self._raise_errors(merged)
         outs = []
         for key, ds in merged.items():
-            out = self._advance(self.completions[key], ds)
+            comp = self.completions[key]
+            out = self._advance(comp, ds)
             if out is not None:
+                out.prompt_logprobs, comp.prompt_logprobs = comp.prompt_logprobs, None
                 outs.append(out)
         return outs
 
@@ -141,6 +158,8 @@ class Generation:
             if d.logprobs:
                 comp.logprobs = (comp.logprobs or []) + d.logprobs
             comp.num_cached = max(comp.num_cached, d.num_cached_tokens)
+            if d.prompt_logprobs:
+                comp.prompt_logprobs = d.prompt_logprobs
         reason = FinishReason(last.finish_reason) if last.finish_reason is not None else None
         if reason is None and len(comp.tokens) < self.stream_interval:
             return None
@@ -176,9 +195,12 @@ class Generation:
                 logprobs) -> StepOutput:
         comp.finished = True
         self.unfinished.discard((comp.engine_id, comp.index))
-        self.owner.metrics.finished.labels(reason.value).inc()
+        metrics, e2e = self.owner.metrics, time.monotonic() - self.arrival
+        metrics.finished.labels(reason.value).inc()
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.owner.metrics.e2e.observe(time.monotonic() - self.arrival)
+            metrics.e2e.observe(e2e)
+        times = self._token_times.get(f"{comp.engine_id}#{comp.index}")
+        metrics.vllm.finished(reason.value, e2e, times.time_per_output_token() if times else 0.0, self.core)
         return StepOutput(comp.engine_id, comp.index, tokens, text, logprobs, reason, stop_reason, None,
                           len(self.prompts[comp.engine_id]), comp.num_cached)
 
@@ -236,13 +258,20 @@ class Generation:
             if rid in self.waiting_first:
                 self.got_first_token(rid)
                 m.ttft.observe(step_end - self.arrival)
+                m.vllm.first_token(step_end - self.arrival, self.core)
                 m.queue_time.observe(max(0.0, step_start - self.arrival))
-            key = f"{rid}#{d.index}"
-            last = self._last_token_time.get(key)
-            if last is not None:
-                m.itl.observe(step_end - last)
-            self._last_token_time[key] = step_end
+            self._observe_token_gap(f"{rid}#{d.index}", len(d.token_ids), step_end)
         self.queue.put_nowait(deltas)
+
+    def _observe_token_gap(self, key: str, count: int, step_end: float) -> None:
+        times = self._token_times.get(key)
+        if times is None:
+            self._token_times[key] = TokenTimes(step_end, count)
+            return
+        self.owner.metrics.itl.observe(step_end - times.last)
+        self.owner.metrics.vllm.token_gap(step_end - times.last, self.core)
+        times.last = step_end
+        times.count += count
 
     def fail(self, error: BaseException) -> None:
         if not self.closed:

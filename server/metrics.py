@@ -2,14 +2,17 @@
 
 Engine-side numbers (queue lengths, KV blocks, prefix cache, token counters) are read at scrape time from the
 latest CoreStats the engine core sent (every step, and every 0.25 s while idle); latencies and finishes are
-observed by the front end as outputs arrive.
+observed by the front end as outputs arrive. Beside them, the vLLM-named series routers and autoscalers read
+(server/metrics_vllm.py), from the same numbers.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from server.metrics_vllm import VllmEngineCollector, VllmRequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -54,7 +57,10 @@ class ServerMetrics:
 
     def __init__(self, snapshot: Callable[[], object], multiprocess_dir: str | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
-        self._engine = _EngineStatsCollector(snapshot)
+        self.vllm = VllmRequestMetrics(self.registry)
+        self._per_engine: Callable[[], Mapping[int, object]] = lambda: {0: snapshot()}
+        self._engine = (_EngineStatsCollector(snapshot),
+                        VllmEngineCollector(lambda: self._per_engine(), lambda: self.vllm.model_name))
         self._render_registry = self._rendering(multiprocess_dir)
         r = self.registry
         self.finished = Counter("kvserve_requests_finished", "completions finished, by reason", ["reason"],
@@ -75,15 +81,24 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort", "error"):
             self.finished.labels(reason)  # present at 0 from the start
 
+    def name_engines(self, model_name: str, per_engine: Callable[[], Mapping[int, object]] | None = None) -> None:
+        """Labels of the vllm:* series: model_name, and engine="i" per engine core, whose CoreStats
+        per_engine() returns as {i: CoreStats} (default: the one snapshot as engine 0). Before any request."""
+        if per_engine is not None:
+            self._per_engine = per_engine
+        self.vllm.start(model_name, engines=len(self._per_engine()))
+
     def _rendering(self, multiprocess_dir: str | None) -> CollectorRegistry:
         if multiprocess_dir is None:
-            self.registry.register(self._engine)
+            for collector in self._engine:
+                self.registry.register(collector)
             return self.registry
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry(auto_describe=False)
         multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)
-        registry.register(self._engine)
+        for collector in self._engine:
+            registry.register(collector)
         return registry
 
     def render(self) -> bytes:

@@ -7,14 +7,13 @@ keeps working); every field this server knows is checked.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from engine.request import RequestError, SamplingParams
 from server.errors import APIError
 
-MAX_LOGIT_BIAS_ENTRIES = 1024
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
@@ -53,12 +52,174 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's structured_outputs: exactly one of json (a schema), regex, choice, grammar (Lark or GBNF)."""
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = Field(None, description="accepted; kvserve's JSON has no free whitespace")
+    disable_fallback: bool | None = Field(None, description="accepted; kvserve has one grammar engine")
+
+
+_REFUSED = "not implemented by kvserve: any value but the no-op one is refused (400 unsupported)"
+_NO_EFFECT = "accepted; it does not change the output"
+
+
+def _refused(noop: str = "null"):
+    return Field(None, description=f"{_REFUSED}; no-op: {noop}")
+
+
+class _RefusedFields(_Strict):
+    """Fields of the OpenAI and vLLM request schemas that would change the output and that kvserve does not
+    implement: declared (so /openapi.json lists them) and refused unless they hold their no-op value
+    (check_unsupported). Fields that change nothing are accepted."""
+    use_beam_search: Any = _refused("false")
+    length_penalty: Any = _refused("1.0")
+    truncate_prompt_tokens: Any = _refused()
+    allowed_token_ids: Any = _refused()
+    bad_words: Any = _refused("[]")
+    logits_processors: Any = _refused("[]")
+    return_tokens_as_token_ids: Any = _refused("false")
+    spaces_between_special_tokens: Any = _refused("true")
+    priority: Any = _refused("0")
+    kv_transfer_params: Any = _refused()
+    vllm_xargs: Any = _refused()
+    guided_whitespace_pattern: Any = _refused()
+    metadata: dict[str, Any] | None = Field(None, description=_NO_EFFECT)
+    store: bool | None = Field(None, description=_NO_EFFECT)
+    service_tier: str | None = Field(None, description=_NO_EFFECT)
+    safety_identifier: str | None = Field(None, description=_NO_EFFECT)
+    prompt_cache_key: str | None = Field(None, description=_NO_EFFECT)
+    cache_salt: str | None = Field(None, description=_NO_EFFECT)
+    request_id: str | None = Field(None, description=_NO_EFFECT)
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _ChatExtraFields(_Strict):
+    """Chat fields beyond the shared ones: tools and template options (honoured) and the refused ones."""
+    audio: Any = _refused()
+    modalities: Any = _refused('["text"]')
+    prediction: Any = _refused()
+    reasoning_effort: Any = _refused()
+    web_search_options: Any = _refused()
+    verbosity: Any = _refused()
+    tools: list[Tool] | None = Field(None, description="functions the model may call (the chat template "
+                                     "renders them; --tool-call-parser reads the calls)")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="required and a named function are enforced with a grammar")
+    functions: Any = _refused("[]")
+    function_call: Any = _refused('"none" or "auto" without functions')
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (tool_choice required)")
+    chat_template: Text | None = Field(None, description="a Jinja chat template used instead of the model's")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template "
+                                                        "(e.g. enable_thinking)")
+    continue_final_message: bool | None = Field(False, description="continue the last (assistant) message "
+                                                "instead of starting a new one")
+    documents: Any = _refused()
+    echo: Any = _refused("false")
+    add_special_tokens: Any = _refused("false")
+    mm_processor_kwargs: Any = _refused()
+
+
+class _CompletionExtraFields(_Strict):
+    suffix: Any = _refused('"" or null')
+
+
+# field -> its no-op values (null is always one)
+NO_OP_VALUES = {
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],), "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,), "spaces_between_special_tokens": (True,), "priority": (0,),
+    "modalities": (["text"],), "tools": ([],), "functions": ([],), "chat_template_kwargs": ({},),
+    "continue_final_message": (False,), "echo": (False,), "add_special_tokens": (False,), "suffix": ("",),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+}
+
+
+def check_unsupported(req: BaseModel) -> None:
+    """400 `unsupported`, naming the field, for the first field set to a value kvserve would not honour."""
+    for name, f in type(req).model_fields.items():  # a request's own field of the same name wins (echo)
+        if not (f.description or "").startswith(_REFUSED):
+            continue
+        value = getattr(req, name)
+        if value is None or any(value == v and type(value) is type(v) for v in NO_OP_VALUES.get(name, ())):
+            continue
+        raise APIError(400, f"{name}: not supported by kvserve", "unsupported", name)
+    if getattr(req, "best_of", None) is not None and req.best_of > req.n:
+        raise APIError(400, "best_of: only best_of == n is supported (kvserve returns every completion)",
+                       "unsupported", "best_of")
+
+
+class _PromptLogprobFields(_RefusedFields):
+    prompt_logprobs: Int(ge=0, le=20) | None = Field(
+        None, description="vLLM's: each prompt token's logprob and the top k (the first token has none)")
+
+
+class _StructuredFields(_PromptLogprobFields):
+    """The ways to constrain the output (at most one per request): OpenAI's response_format, vLLM's
+    structured_outputs, and vLLM's older guided_* fields."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: str | None = Field(None, description="accepted; kvserve uses llguidance")
+
+
+class _SamplingFields(_StructuredFields):
     """Fields shared by completions and chat completions. null means the default."""
 
     model: str | None = None
     n: Int(ge=1) = 1
-    best_of: Int(ge=1) | None = Field(None, description="must be >= n; kvserve returns n completions")
+    best_of: Int(ge=1) | None = Field(None, description="must equal n (or be null): kvserve returns every completion")
     temperature: float | None = Field(1.0, ge=0)
     top_p: float | None = Field(1.0, gt=0, le=1)
     top_k: Int(ge=-1) | None = -1
@@ -80,7 +241,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, _CompletionExtraFields):
     prompt: Prompt
     max_tokens: Int(ge=1) | None = Field(None, description="default 16 (lowered to the server's cap)")
     echo: bool | None = False
@@ -97,9 +258,12 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatExtraFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int(ge=1) | None = None
     max_completion_tokens: Int(ge=1) | None = None
@@ -134,6 +298,11 @@ class Limits:
     max_stop_sequences: int
     max_stop_length: int
     max_tokens_cap: int | None
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024
+    max_messages: int = 1024
+    max_response_logprobs: int = 1 << 18
+    max_model_len: int | None = None  # what an omitted max_tokens may reach (for the response-size cap)
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -150,17 +319,29 @@ def _check_stop(stop: list[str], limits: Limits) -> None:
             raise _bad("stop", f"stop strings are at most {limits.max_stop_length} characters")
 
 
-def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+def _logit_bias(raw: dict[str, float] | None, limits: Limits) -> dict[int, float] | None:
     if not raw:
         return None
-    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
-        raise _bad("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    vocab_size = limits.vocab_size
+    if len(raw) > limits.max_logit_bias:
+        raise _bad("logit_bias", f"at most {limits.max_logit_bias} entries on this server")
     out = {}
     for key, value in raw.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 12 and int(key) < vocab_size):
             raise _bad("logit_bias", f"keys must be token ids in [0, {vocab_size})")
         out[int(key)] = value
     return out
+
+
+def check_response_size(n: int, max_tokens: int | None, logprobs: int | None, limits: Limits) -> None:
+    """n x max_tokens x (logprobs + 1) logprob entries (~60 bytes of JSON each) must stay under the cap."""
+    tokens = max_tokens if max_tokens is not None else limits.max_model_len
+    if logprobs is None or tokens is None:
+        return
+    entries = n * tokens * (logprobs + 1)
+    if entries > limits.max_response_logprobs:
+        raise _bad("logprobs", f"n x max_tokens x (logprobs + 1) is {entries}, over this server's "
+                               f"{limits.max_response_logprobs}: lower n, max_tokens or logprobs")
 
 
 def _check_token_ids(ids: list[int] | None, vocab_size: int, param: str) -> None:
@@ -197,14 +378,18 @@ def sampling_params(req: _SamplingFields, limits: Limits, max_tokens: int | None
         raise _bad("stream_options", "is only allowed with stream: true")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     _check_stop(stop, limits)
+    if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop_token_ids:
+        raise _bad("stop_token_ids", f"at most {limits.max_stop_token_ids} on this server")
     _check_token_ids(req.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    max_tokens = _max_tokens(max_tokens, default_max_tokens, limits)
+    check_response_size(req.n, max_tokens, logprobs, limits)
     try:
         return SamplingParams(
             n=req.n, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, -1),
             min_p=_or(req.min_p, 0.0), seed=req.seed, presence_penalty=_or(req.presence_penalty, 0.0),
             frequency_penalty=_or(req.frequency_penalty, 0.0), repetition_penalty=_or(req.repetition_penalty, 1.0),
-            logit_bias=_logit_bias(req.logit_bias, limits.vocab_size), min_tokens=_or(req.min_tokens, 0),
-            max_tokens=_max_tokens(max_tokens, default_max_tokens, limits), ignore_eos=bool(req.ignore_eos), stop=stop,
+            logit_bias=_logit_bias(req.logit_bias, limits), min_tokens=_or(req.min_tokens, 0),
+            max_tokens=max_tokens, ignore_eos=bool(req.ignore_eos), stop=stop,
             stop_token_ids=list(req.stop_token_ids or []),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logprobs=logprobs, skip_special_tokens=_or(req.skip_special_tokens, True))
@@ -213,10 +398,23 @@ def sampling_params(req: _SamplingFields, limits: Limits, max_tokens: int | None
 
 
 def completion_params(req: CompletionRequest, limits: Limits) -> SamplingParams:
-    if req.echo and req.logprobs is not None:
-        raise _bad("logprobs", "echo with logprobs needs prompt logprobs, which kvserve does not compute",
-                   "unsupported")
     return sampling_params(req, limits, req.max_tokens, 16, req.logprobs)
+
+
+def prompt_logprobs_of(req, limits: Limits) -> int | None:
+    """How many top logprobs each prompt token needs: vLLM's prompt_logprobs, or completions' echo with
+    logprobs (the OpenAI shape lm-evaluation-harness reads). Not with stream (refused)."""
+    k = req.prompt_logprobs
+    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
+        k = max(k or 0, req.logprobs)
+    if k is None:
+        return None
+    if k > limits.max_logprobs:
+        raise _bad("prompt_logprobs", f"must be <= {limits.max_logprobs} on this server")
+    if req.stream:
+        raise _bad("prompt_logprobs", "prompt logprobs are not streamed by kvserve: use stream: false",
+                   "unsupported")
+    return k
 
 
 def chat_params(req: ChatCompletionRequest, limits: Limits) -> SamplingParams:
@@ -253,6 +451,15 @@ def split_prompt(prompt) -> tuple[list[str], list[list[int]]]:
     return [], [list(p) for p in prompt]
 
 
+def _arguments(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     """Messages as the chat template expects them: text parts joined into one string."""
     out = []
@@ -263,6 +470,11 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         d = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:  # arguments as objects: what HF chat templates (Qwen, Llama, Mistral) render
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
         out.append(d)
     return out
 
@@ -306,6 +518,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -331,9 +544,17 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -351,6 +572,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class ModelCard(BaseModel):

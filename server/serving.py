@@ -7,6 +7,7 @@ SSE `data: {"error": ...}` event followed by `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -18,8 +19,10 @@ from dataclasses import dataclass, field
 
 from engine.request import FinishReason, StepOutput, TokenLogprob
 from server.engine_client import EngineClient
+from server import prompts
 from server.generation import Generation
 from server.errors import APIError
+from server.tools import StreamReply, reply_message
 from server.protocol import ChatCompletionRequest, CompletionRequest, Limits, check_prompt_ids, message_dicts
 
 logger = logging.getLogger("kvserve.server")
@@ -36,10 +39,30 @@ class ServingContext:
     max_prompt_tokens: int
     executor: ThreadPoolExecutor  # tokenization, off the event loop
     log_requests: bool = False
+    model_names: tuple[str, ...] = ()  # every name a request may use (model_name first)
+    max_prompt_chars: int = 1 << 62  # max_prompt_tokens x the longest token's characters
+    parse_special_tokens: bool = False  # in chat message text (chat_parse_special_tokens)
+    grammars: object | None = None  # server.structured.GrammarChecker
+    tool_call_parser: str | None = None
+    reasoning_parser: bool = False
+    chat_template: str | None = None  # the server's override of the model's template
     _token_text: dict[int, str] = field(default_factory=dict)
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def run_for(self, request, fn, *args):
+        """run(), dropped if its client hangs up first (queued work never starts: ClientGone)."""
+        done = []
+        result = await unless_disconnected(request, self._tagged(done, fn, *args))
+        if not done:
+            raise ClientGone()
+        return result
+
+    async def _tagged(self, done: list, fn, *args):
+        result = await self.run(fn, *args)
+        done.append(True)
+        return result
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:  # skip_tokenizer_init: vLLM's spelling of a token without text
@@ -56,6 +79,33 @@ class ServingContext:
         return self.tokenizer
 
 
+async def until_disconnected(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request, coro):
+    """Await `coro`, cancelling it (so its generation aborts) if the client hangs up first."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return None
+
+
+class ClientGone(Exception):
+    """The client hung up before its response began: nothing to send (answered 499, logged at debug)."""
+
+
 @dataclass
 class Choice:
     """One completion as it accumulates."""
@@ -66,8 +116,11 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # streaming: characters sent so far (for text_offset)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, out: StepOutput) -> None:
+        if out.prompt_logprobs:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.new_text)
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
@@ -137,6 +190,32 @@ async def stream_events(gen: Generation, chunks, include_usage_chunk):
 # ---- completions ------------------------------------------------------------------------------------
 
 
+def echo_logprobs(ctx: ServingContext, prompt: list[int], prompt_lps: list[TokenLogprob] | None,
+                  logprobs: list[TokenLogprob], offset: int) -> dict:
+    """echo with logprobs: the prompt's tokens (the first with null logprobs), then the completion's (whose
+    text_offset counts from `offset`, the echoed prompt's length)."""
+    first = ctx.token_text(prompt[0])
+    head = completion_logprobs(ctx, prompt_lps or [], len(first))
+    tail = completion_logprobs(ctx, logprobs, offset)
+    return {"tokens": [first] + head["tokens"] + tail["tokens"],
+            "token_logprobs": [None] + head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": [0] + head["text_offset"] + tail["text_offset"]}
+
+
+def vllm_prompt_logprobs(ctx: ServingContext, prompt_lps: list[TokenLogprob] | None) -> list | None:
+    """vLLM's shape: per prompt token, null for the first, else {token id: {logprob, decoded_token}} holding
+    the token itself and the top k."""
+    if prompt_lps is None:
+        return None
+    out: list = [None]
+    for lp in prompt_lps:
+        entry = {str(t): {"logprob": _finite(v), "decoded_token": ctx.token_text(t)} for t, v in lp.top}
+        entry.setdefault(str(lp.token_id), {"logprob": _finite(lp.logprob), "decoded_token": ctx.token_text(lp.token_id)})
+        out.append(entry)
+    return out
+
+
 def completion_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob], offset: int) -> dict:
     """OpenAI completions shape; text_offset counts the token strings from `offset`."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -160,8 +239,13 @@ async def completion_response(ctx: ServingContext, gen: Generation, req: Complet
         c = choices[idx]
         prefix = prompt_texts[idx // gen.params.n] if req.echo else ""
         lps = completion_logprobs(ctx, c.logprobs, len(prefix)) if req.logprobs is not None else None
+        if req.echo and lps is not None:
+            prompt = gen.prompts[gen.engine_ids[idx // gen.params.n]]
+            lps = echo_logprobs(ctx, prompt, c.prompt_logprobs, c.logprobs, len(prefix))
         choice = {"index": idx, "text": prefix + "".join(c.text), "logprobs": lps,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(ctx, c.prompt_logprobs)
         if req.return_token_ids:
             choice["token_ids"] = c.token_ids
         out.append(choice)
@@ -241,22 +325,29 @@ def chat_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob]) -> dict:
                         for lp in logprobs]}
 
 
-async def chat_response(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str) -> dict:
+async def chat_response(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str,
+                        parser=None) -> dict:
     choices, cached = await collect(gen)
-    out = [{"index": idx, "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": chat_logprobs(ctx, c.logprobs) if req.logprobs else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-           for idx, c in sorted(choices.items())]
+    out = []
+    for idx, c in sorted(choices.items()):
+        message, finish = reply_message("".join(c.text), parser, ctx.reasoning_parser, c.finish_reason)
+        out.append({"index": idx, "message": message,
+                    "logprobs": chat_logprobs(ctx, c.logprobs) if req.logprobs else None,
+                    "finish_reason": finish, "stop_reason": c.stop_reason})
     if ctx.log_requests:
         logger.info("%s output: %r", rid, [c["message"]["content"] for c in out])
     completion_tokens = sum(len(c.token_ids) for c in choices.values())
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name,
+    body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name,
             "choices": out, "usage": usage(gen, completion_tokens, cached)}
+    if req.prompt_logprobs is not None and choices:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(ctx, choices[min(choices)].prompt_logprobs)
+    return body
 
 
-def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str):
+def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest, rid: str, parser=None):
     chunk = StreamChunks(ctx, gen, rid, "chat.completion.chunk", req.stream_options)
     state = chunk.state
+    replies = {idx: StreamReply(parser, ctx.reasoning_parser) for idx in range(gen.params.n)}
 
     async def chunks():
         for idx in range(gen.params.n):
@@ -268,9 +359,10 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
             state["cached"][out.request_id] = out.num_cached_tokens
             lps = chat_logprobs(ctx, out.new_logprobs) if req.logprobs and out.new_logprobs else None
             if out.new_text or out.new_token_ids or out.finished:
-                delta = {"content": out.new_text} if out.new_text else {}
+                delta, called = replies[out.index].delta(out.new_text, out.finished)
+                finish = out.finish_reason.value if out.finished else None
                 yield chunk([{"index": out.index, "delta": delta, "logprobs": lps,
-                              "finish_reason": out.finish_reason.value if out.finished else None,
+                              "finish_reason": "tool_calls" if called and finish == "stop" else finish,
                               "stop_reason": out.stop_reason}])
 
     return chunk.events(chunks())
@@ -284,17 +376,49 @@ def tokenize_texts(ctx: ServingContext, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
-def apply_chat_template(ctx: ServingContext, req: ChatCompletionRequest | object) -> list[int]:
+def chat_template(ctx: ServingContext, req) -> str | None:
+    """The request's template, else the server's, else the model's."""
     tok = ctx.need_tokenizer("chat")
-    if not getattr(tok, "chat_template", None):
+    return getattr(req, "chat_template", None) or ctx.chat_template or getattr(tok, "chat_template", None)
+
+
+def template_options(req) -> dict:
+    """tools, chat_template_kwargs, add_generation_prompt / continue_final_message as apply_chat_template takes them."""
+    cont = bool(getattr(req, "continue_final_message", False))
+    options = {**(getattr(req, "chat_template_kwargs", None) or {}), "continue_final_message": cont,
+               "add_generation_prompt": getattr(req, "add_generation_prompt", True) and not cont}
+    if getattr(req, "tools", None):
+        options["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    return options
+
+
+def chat_prompt(ctx: ServingContext, req) -> list[int]:
+    """The token ids of a chat request's messages (prompts.chat_ids: message text is text), after the cheap
+    checks (message count, characters)."""
+    tok = ctx.need_tokenizer("chat")
+    messages = message_dicts(req.messages)
+    if len(messages) > ctx.limits.max_messages:
+        raise APIError(400, f"messages: at most {ctx.limits.max_messages} on this server", "invalid_value",
+                       "messages")
+    chars = prompts.message_chars(messages)
+    if chars > ctx.max_prompt_chars:
+        raise prompts.too_long(chars, ctx.max_prompt_tokens, "messages")
+    template = chat_template(ctx, req)
+    if not template:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "unsupported")
-    try:
-        text = tok.apply_chat_template(message_dicts(req.messages), tokenize=False,
-                                       add_generation_prompt=getattr(req, "add_generation_prompt", True))
-    except Exception as exc:  # jinja's raise_exception(...) in a template: the messages broke its rules
-        raise APIError(400, f"messages: the chat template refused them: {exc}", "invalid_value", "messages")
-    return tok.encode(text, add_special_tokens=False)
+    options = template_options(req)
+
+    def render(msgs: list[dict]) -> str:
+        try:
+            return tok.apply_chat_template(msgs, tokenize=False, chat_template=template, **options)
+        except Exception as exc:  # jinja's raise_exception(...) in a template: the messages broke its rules
+            raise APIError(400, f"messages: the chat template refused them: {exc}", "invalid_value", "messages")
+
+    return prompts.chat_ids(tok, messages, render, ctx.parse_special_tokens)
 
 
-def prompt_check(ctx: ServingContext, prompts: list[list[int]]) -> None:
-    check_prompt_ids(prompts, ctx.limits.vocab_size, ctx.max_prompt_tokens)
+apply_chat_template = chat_prompt  # its name before the checks came in
+
+
+def prompt_check(ctx: ServingContext, prompts_ids: list[list[int]]) -> None:
+    check_prompt_ids(prompts_ids, ctx.limits.vocab_size, ctx.max_prompt_tokens)

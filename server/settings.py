@@ -30,7 +30,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: list[str] = field(default_factory=list)
     max_body_bytes: int = 4 << 20
     max_prompt_tokens: int | None = None
     max_tokens_cap: int | None = None
@@ -38,6 +38,18 @@ class ServerSettings:
     max_logprobs: int = 20
     max_stop_sequences: int = 16
     max_stop_length: int = 256
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 1024
+    max_messages: int = 1024
+    max_detokenize_tokens: int = 65536
+    max_response_logprobs: int = 1 << 18
+    max_connections: int = 2048
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 5.0
+    write_timeout: float = 30.0
+    tokenizer_workers: int = 2
+    chat_parse_special_tokens: bool = False
     max_waiting_requests: int = 512
     max_waiting_tokens: int = 1 << 20
     queue_timeout: float | None = 300.0
@@ -52,15 +64,21 @@ class ServerSettings:
     stream_interval: int = 1
     data_parallel_size: int = 1
     data_parallel_dispatch: str = "affinity"
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | auto (server/tool_parsers.py)
+    reasoning_parser: bool = False  # split <think>...</think> into reasoning_content
+    chat_template: str | None = None  # a Jinja template, or the path of a file holding one
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):  # one name, or several comma-separated
+            self.served_model_name = [n.strip() for n in self.served_model_name.split(",") if n.strip()]
         self.validate()
 
     def validate(self) -> None:
         need(0 < self.port < 65536, f"port must be in [1, 65535], got {self.port}")
         need(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
         for name in ("max_body_bytes", "max_n", "max_stop_sequences", "max_stop_length", "max_waiting_requests",
-                     "max_waiting_tokens"):
+                     "max_waiting_tokens", "max_logit_bias", "max_messages", "max_detokenize_tokens",
+                     "max_response_logprobs", "max_connections", "tokenizer_workers"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1")
         for name in ("max_prompt_tokens", "max_tokens_cap"):
             need(getattr(self, name) is None or getattr(self, name) >= 1, f"{name} must be >= 1 or null")
@@ -70,6 +88,10 @@ class ServerSettings:
             need(value is None or (math.isfinite(value) and value > 0), f"{name} must be > 0 or null")
         for name in ("shutdown_timeout", "watchdog_timeout"):
             need(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, f"{name} must be >= 0")
+        need(self.max_stop_token_ids >= 0, "max_stop_token_ids must be >= 0")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "write_timeout"):
+            need(math.isfinite(getattr(self, name)) and getattr(self, name) > 0, f"{name} must be > 0")
+        need(all(self.served_model_name), "served_model_name: names must not be empty")
         need(self.retry_after >= 0, "retry_after must be >= 0")
         need(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}")
         need(self.api_server_count is None or 1 <= self.api_server_count <= 64, "api_server_count must be in [1, 64]")
@@ -77,6 +99,8 @@ class ServerSettings:
         need(1 <= self.data_parallel_size <= 64, "data_parallel_size must be in [1, 64]")
         need(self.data_parallel_dispatch in DISPATCH_POLICIES,
              f"data_parallel_dispatch must be one of {DISPATCH_POLICIES}")
+        need(self.tool_call_parser in (None, "hermes", "llama3_json", "mistral", "auto"),
+             "tool_call_parser must be one of hermes, llama3_json, mistral, auto")
 
     @property
     def num_api_servers(self) -> int:
@@ -109,13 +133,18 @@ ENGINE_HELP = {
     "cpu_packed_weights": "float32 CPU matmuls through oneDNN-packed weights (~2x faster than F.linear; "
                           "--no-cpu-packed-weights for F.linear)",
     "seed": "engine seed (unseeded requests draw from it)",
+    "grammar_max_size": "structured outputs: most symbols in a request's grammar (beyond: 400 invalid_grammar)",
+    "grammar_compile_fuel": "structured outputs: lexer fuel to build a grammar, ~50k units a millisecond "
+                            "(beyond: 400 invalid_grammar)",
 }
 
 SERVER_HELP = {
     "host": "address to bind (127.0.0.1: loopback only; 0.0.0.0: every interface)",
     "port": "port to bind",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize",
-    "served_model_name": "model name clients send and /v1/models lists (default: from the model path)",
+    "served_model_name": "model name(s) clients may send, comma- or space-separated; the first is the one "
+                         "responses and /v1/models report (default: from the model path, e.g. "
+                         "SmolLM2-135M-Instruct)",
     "max_body_bytes": "largest request body, bytes (413 beyond it, checked while the body streams in)",
     "max_prompt_tokens": "longest prompt, tokens (default: max_model_len)",
     "max_tokens_cap": "largest max_tokens a request may ask for (default: no cap beyond max_model_len)",
@@ -123,6 +152,25 @@ SERVER_HELP = {
     "max_logprobs": "largest logprobs / top_logprobs (<= 20)",
     "max_stop_sequences": "most stop strings in one request",
     "max_stop_length": "longest stop string, characters",
+    "max_stop_token_ids": "most stop_token_ids in one request",
+    "max_logit_bias": "most logit_bias entries in one request",
+    "max_messages": "most chat messages in one request",
+    "max_detokenize_tokens": "most token ids one /detokenize request may send",
+    "max_response_logprobs": "most logprob entries one response may carry: n x max_tokens x (logprobs + 1), "
+                             "max_tokens counted as max_model_len when omitted (~60 bytes of JSON each)",
+    "max_connections": "most open HTTP connections per front-end process (lowered to fit the open-file limit); "
+                       "beyond it a new connection gets 503 and is closed",
+    "header_timeout": "seconds a connection may take to send a request's headers (from opening, or from the "
+                      "previous response); then 408 and the connection closes",
+    "body_timeout": "seconds a request's body may take to arrive after its headers; then the connection closes",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open between requests",
+    "write_timeout": "seconds a response may wait for a client that reads nothing (its writes blocked); then "
+                     "the connection is dropped and its request aborted",
+    "tokenizer_workers": "threads per front end that tokenize prompts (off the event loop); queued work is "
+                         "dropped when its client leaves",
+    "chat_parse_special_tokens": "tokenize control tokens written inside chat message text as control tokens "
+                                 "(trusted callers only); off: message text is always text, so a user cannot "
+                                 "open a system turn",
     "max_waiting_requests": "most completions waiting for their first token; beyond it 429 overloaded",
     "max_waiting_tokens": "most prompt tokens waiting for their first token; beyond it 429 overloaded",
     "queue_timeout": "seconds a request may wait for its first token (queue + prefill); null: no limit",
@@ -142,6 +190,10 @@ SERVER_HELP = {
                               "prompt's prefix cached, unless it is much busier) or round_robin",
     "stream_interval": "tokens per SSE chunk of a completion (the last chunk may hold fewer); a stream that "
                        "falls behind gets every waiting token in one chunk whatever this is",
+    "tool_call_parser": "how tool calls are read from replies: hermes (Qwen), llama3_json, mistral, or auto "
+                        "(from the chat template); needed for tool_choice auto",
+    "reasoning_parser": "split <think>...</think> (Qwen3, DeepSeek-R1) into reasoning_content",
+    "chat_template": "a Jinja chat template (or a file holding one) used instead of the model's",
 }
 
 

@@ -209,12 +209,13 @@ def sse_events(response: httpx.Response) -> list:
     return events
 
 
-def start_server_process(args: list[str], env: dict | None = None, port: int | None = None
-                         ) -> tuple[subprocess.Popen, str]:
+def start_server_process(args: list[str], env: dict | None = None, port: int | None = None,
+                         prefix: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m server serve ARGS --port PORT` as a subprocess (output to a temporary file, so a chatty
-    server never blocks on a full pipe); returns it once /ready is 200."""
+    server never blocks on a full pipe); returns it once /ready is 200. `prefix` runs it under a wrapper
+    (`prlimit --nofile=256`)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *args]
+    cmd = [*(prefix or []), sys.executable, "-m", "server", "serve", "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)

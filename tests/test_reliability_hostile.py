@@ -403,7 +403,7 @@ RAW_CASES = {
         lambda: [request_head(C, "".join(f"X-H{i}: {'v' * 40}\r\n" for i in range(5000))
                               + "Content-Length: 2\r\n") + b"{}"], (400, 431, None), None),
     "invalid_utf8_over_raw_socket": (
-        lambda: [request_head(C, "Content-Length: 13\r\n") + b'{"prompt":"\xff"}'], (400,), ("invalid_json",)),
+        lambda: [request_head(C, "Content-Length: 14\r\n") + b'{"prompt":"\xff"}'], (400,), ("invalid_json",)),
 }
 
 

@@ -1,4 +1,5 @@
-"""The soak script, short: 200 mixed requests (random sampling, 10% hang-ups, 5% invalid) against a real
+"""The soak script, short: 200 mixed requests (random sampling, 10% hang-ups, 5% invalid, 5% over a cap, 3%
+slow-header clients, 3% streams never read) against a real
 `python -m server serve` on a tiny model. No unexpected failure, no KV block leaked, RSS growth < 10%."""
 from __future__ import annotations
 
@@ -32,5 +33,6 @@ def test_soak_200_requests(tiny_model_dir, tmp_path):
     # The mix really was mixed: hang-ups and invalid requests were sent, and the server saw the hang-ups.
     kinds = report["by_kind"]
     assert sum(kinds.values()) == 200 and kinds["disconnect"] >= 10 and kinds["invalid"] >= 4
+    assert kinds["oversized"] >= 4 and kinds["slow"] >= 4 and kinds["never_read"] >= 4
     assert report["finished_by_reason"]["abort"] >= 1
     assert report["passed"] and proc.returncode == 0, proc.stdout[-2000:]

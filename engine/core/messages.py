@@ -51,6 +51,7 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # with a completion's first token, when asked
 
 
 class Rejection(msgspec.Struct, array_like=True, gc=False):
@@ -98,6 +99,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True, gc=False):
     num_kv_blocks: int
     stats: CoreStats
     block_size: int = 16
+    grammar_max_size: int = 500_000  # the engine's grammar limits, for the front end's checks
+    grammar_compile_fuel: int = 1_000_000
 
 
 class LoadFailed(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -116,7 +116,12 @@ def _become_engine_core(log_level: str) -> None:
         setproctitle.setproctitle(PROCESS_TITLE)
     except ImportError:
         pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the launcher decides
+    # Ctrl-C, and a SIGTERM sent to the whole process group (systemd's default KillMode, `kill -- -PGID`), reach
+    # the core too: it must keep stepping while the front ends drain. The launcher stops it (Shutdown) after
+    # them; if the launcher is gone, its lifeline ends the core. (Seen on the H200: a group SIGTERM ended the
+    # core at once and every front end logged it as dead mid-drain.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
@@ -152,7 +157,8 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec):
     freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
     ready = Ready(str(engine.model_path), engine.tokenizer_path, engine.vocab_size, engine.max_model_len,
                   str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine),
-                  spec.engine_config.block_size)
+                  spec.engine_config.block_size,
+                  engine.config.grammar_max_size, engine.config.grammar_compile_fuel)
     for sock in outboxes:
         sock.send(codec.encode(ready))
     logger.info("model loaded in %.1f s: the engine core is ready", time.monotonic() - start)

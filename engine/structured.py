@@ -1,0 +1,119 @@
+"""Structured outputs in the engine: grammars compiled off the step loop (a thread, LRU-cached by constraint),
+one matcher per completion, and each step's token bitmask applied to the logits of the constrained rows on the
+device before sampling.
+
+A step with constrained rows is launched (forward and logits queued on the device) before the previous step's
+tokens are read; the engine then reads them, the matchers consume them, and only then are the step's masks
+filled (llguidance's parallel executor) and its rows sampled: the fill overlaps the forward pass on the device,
+and the async-scheduling pipeline keeps running. A mask allows EOS only where the grammar may end. A matcher consumes each token the
+engine appends, so preemption (recompute) and prefix-cache hits leave it where it was.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.grammar import LRU, GrammarLimits, grammar_text, llg_tokenizer
+from engine.request import Request, RequestError, StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept (a pristine matcher each; requests get copies)
+
+
+class Grammar:
+    """One completion's position in its grammar."""
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.consume_token(token)
+
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+@dataclass
+class MaskBatch:
+    rows: list[int]  # the rows of the step's sampled logits that are constrained
+    bitmask: torch.Tensor  # [len(rows), words] int32 on the host: bit j of word w allows token 32 * w + j
+
+
+class StructuredOutputs:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.eos_ids = frozenset(eos_ids)
+        self.limits = limits or GrammarLimits()
+        self._tokenizer = None  # the llguidance tokenizer, built in the compile thread on first use
+        self._executor = None  # llguidance.LLExecutor, made on the first fill
+        self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
+        self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
+        self._shifts: dict[torch.device, torch.Tensor] = {}
+
+    # ---- compiling (engine thread submits, one helper thread compiles) ---------------------------------
+    def compile(self, so: StructuredOutput) -> Future:
+        """A future of the constraint's compiled matcher (shared: take copies with new_grammar)."""
+        key = so.key()
+        future = self._cache.get(key)
+        if future is None:
+            future = self._compiles.submit(self._compile, so)
+            self._cache.put(key, future)
+        return future
+
+    def _compile(self, so: StructuredOutput):
+        from llguidance import LLMatcher
+
+        if self._tokenizer is None:
+            self._tokenizer = llg_tokenizer(self.hf_tokenizer, self.vocab_size, self.eos_ids)
+        matcher = LLMatcher(self._tokenizer, grammar_text(so), log_level=0, limits=self.limits.to_llguidance())
+        if matcher.is_error():
+            raise RequestError(f"{so.param()}: {matcher.get_error()[:500]}", "invalid_grammar", so.param())
+        return matcher
+
+    @staticmethod
+    def new_grammar(compiled: Future) -> Grammar:
+        return Grammar(compiled.result().deep_copy())
+
+    # ---- masks (the runner: filled once the previous step's tokens are consumed, applied before sampling) --
+    def fill(self, requests: list[Request]) -> MaskBatch | None:
+        """The bitmasks of the rows under a grammar, by llguidance's parallel executor (it releases the GIL
+        and spreads rows over 80% of the cores)."""
+        import llguidance
+
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return None
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        bitmask = torch.empty(len(rows), self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        self._executor.unsafe_compute_mask_ptr([(requests[i].grammar.matcher, j) for j, i in enumerate(rows)],
+                                               bitmask.data_ptr(), self.words * 4, len(rows))
+        return MaskBatch(rows, bitmask)
+
+    def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
+        """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
+        dev, vocab = logits.device, logits.shape[1]
+        mask = batch.bitmask.to(dev, non_blocking=True)  # [m, words]
+        bits = (mask.unsqueeze(-1) >> self._shift(dev)) & 1  # [m, words, 32]
+        banned = bits.view(len(batch.rows), -1)[:, :vocab] == 0  # [m, vocab]
+        if len(batch.rows) == logits.shape[0]:
+            logits.masked_fill_(banned, float("-inf"))
+            return
+        rows = torch.tensor(batch.rows, dtype=torch.long).to(dev, non_blocking=True)
+        logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
+
+    def _shift(self, device: torch.device) -> torch.Tensor:
+        shift = self._shifts.get(device)
+        if shift is None:
+            shift = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
+        return shift
+
+    def shutdown(self) -> None:
+        self._compiles.shutdown(wait=False, cancel_futures=True)

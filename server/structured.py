@@ -1,0 +1,109 @@
+"""Structured outputs on the HTTP side: a request's constraint fields -> engine.request.StructuredOutput, and a
+check of its grammar (in the tokenization thread, LRU-cached) so that a bad schema, regex or grammar is a 400
+`invalid_grammar` before anything reaches the engine core. The core compiles and enforces it (engine/structured.py).
+"""
+from __future__ import annotations
+
+import json
+
+from engine.grammar import LRU, GrammarLimits, check_grammar, llg_tokenizer
+from engine.request import RequestError, StructuredOutput
+from server.errors import APIError
+
+CHECK_CACHE_SIZE = 1024
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", code, param)
+
+
+def _schema_text(schema, param: str) -> str:
+    """A schema (object, or its JSON text) -> canonical JSON text (sorted keys: one cache entry per schema)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise _bad(param, "must be a JSON schema (an object, or its JSON text)", "invalid_grammar") from None
+    if not isinstance(schema, (dict, bool)):
+        raise _bad(param, "must be a JSON schema (an object)", "invalid_grammar")
+    return json.dumps(schema, sort_keys=True)
+
+
+def _from_response_format(rf) -> StructuredOutput | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutput(json_object=True)
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise _bad("response_format.json_schema", "json_schema with a `schema` is required for type json_schema")
+    return StructuredOutput(json=_schema_text(rf.json_schema.schema_, "response_format.json_schema.schema"))
+
+
+def _from_structured_outputs(so) -> StructuredOutput:
+    return StructuredOutput(
+        json=None if so.json_ is None else _schema_text(so.json_, "structured_outputs.json"),
+        json_object=bool(so.json_object), regex=so.regex, choice=so.choice, grammar=so.grammar)
+
+
+def _from_guided(req) -> StructuredOutput:
+    return StructuredOutput(json=None if req.guided_json is None else _schema_text(req.guided_json, "guided_json"),
+                            regex=req.guided_regex, choice=req.guided_choice, grammar=req.guided_grammar)
+
+
+def structured_output(req) -> StructuredOutput | None:
+    """The request's one constraint, or None. Two ways of asking at once is a 400."""
+    guided = [n for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+              if getattr(req, n) is not None]
+    given = [n for n, v in (("response_format", req.response_format), ("structured_outputs", req.structured_outputs))
+             if v is not None] + guided
+    if len(given) > 1:
+        raise _bad(given[1], f"give one constraint; {given[0]} is already given", "invalid_value")
+    if not given:
+        return None
+    if req.response_format is not None:
+        so = _from_response_format(req.response_format)
+    elif req.structured_outputs is not None:
+        so = _from_structured_outputs(req.structured_outputs)
+    else:
+        so = _from_guided(req)
+    if so is not None:
+        try:
+            so.validate()
+        except RequestError as err:
+            raise APIError(400, err.message, err.code, err.param) from None
+    return so
+
+
+class GrammarChecker:
+    """Validates constraints against the served tokenizer within the engine's limits. Runs in the
+    tokenization thread (the llguidance tokenizer is built there on first use, ~0.4 s)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, limits: GrammarLimits) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self._tokenizer = None
+        self._checked = LRU(CHECK_CACHE_SIZE)  # key -> False (valid) or the APIError
+
+    def check(self, so: StructuredOutput) -> None:
+        """Raises APIError 400 (invalid_grammar) for a constraint the engine would refuse."""
+        key = so.key()
+        error = self._checked.get(key)  # False: checked, valid
+        if error is None:
+            error = self._validate(so) or False
+            self._checked.put(key, error)
+        if error:
+            raise error
+
+    def _validate(self, so: StructuredOutput) -> APIError | None:
+        if self.hf_tokenizer is None:
+            return APIError(400, "structured outputs need a tokenizer, and this server runs without one",
+                            "unsupported", so.param())
+        if self._tokenizer is None:
+            eos = self.hf_tokenizer.eos_token_id
+            self._tokenizer = llg_tokenizer(self.hf_tokenizer, self.vocab_size, [] if eos is None else [eos])
+        try:
+            check_grammar(so, self._tokenizer, self.limits)
+        except RequestError as err:
+            return APIError(400, err.message, err.code, err.param)
+        return None

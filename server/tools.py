@@ -1,0 +1,108 @@
+"""Tool calling for /v1/chat/completions: which parser reads a request's reply, and the grammar that enforces
+tool_choice `required` or a named function (engine.request.StructuredOutput), as vLLM does: a forced call's
+reply is JSON (the named function's arguments; for `required` an array of {"name", "parameters"})."""
+from __future__ import annotations
+
+import json
+
+from engine.request import StructuredOutput
+from server.errors import APIError
+from server.tool_parsers import (NamedParser, ReasoningParser, RequiredParser, StreamingReasoning,
+                                 StreamingToolParser, parser_for)
+
+ANY_OBJECT = {"type": "object"}
+
+
+def _params_schema(tool) -> dict:
+    return tool.function.parameters or ANY_OBJECT
+
+
+def tool_parser(req, parser_name: str | None, chat_template: str | None):
+    """The parser of this request's reply (None: plain text), checking tools against tool_choice."""
+    choice, tools = req.tool_choice, req.tools or []
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise APIError(400, "tool_choice: needs tools", "invalid_value", "tool_choice")
+    if choice == "required":
+        return RequiredParser()
+    if choice == "auto":
+        parser = parser_for(parser_name, chat_template)
+        if parser is None:
+            raise APIError(400, "tool_choice: auto needs a tool-call parser (start the server with "
+                           "--tool-call-parser hermes|llama3_json|mistral|auto)", "unsupported", "tool_choice")
+        return parser
+    names = [t.function.name for t in tools]
+    if choice.function.name not in names:
+        raise APIError(400, f"tool_choice: no tool named {choice.function.name!r}", "invalid_value", "tool_choice")
+    return NamedParser(choice.function.name)
+
+
+def forced_call_grammar(req, parser) -> StructuredOutput | None:
+    """The grammar of a forced call (required / named), or None."""
+    if not isinstance(parser, (NamedParser, RequiredParser)):
+        return None
+    if isinstance(parser, NamedParser):
+        tool = next(t for t in req.tools if t.function.name == parser.name)
+        return StructuredOutput(json=json.dumps(_params_schema(tool), sort_keys=True))
+    item = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                         "parameters": _params_schema(t)},
+                       "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]}
+    array = {"type": "array", "items": item, "minItems": 1}
+    if req.parallel_tool_calls is False:
+        array["maxItems"] = 1
+    return StructuredOutput(json=json.dumps(array, sort_keys=True))
+
+
+# ---- replies --------------------------------------------------------------------------------------------
+
+
+def reply_message(text: str, parser, reasoning: bool, finish_reason: str | None) -> tuple[dict, str | None]:
+    """A whole reply -> (the assistant message, finish_reason): reasoning split off, tool calls parsed."""
+    message: dict = {"role": "assistant"}
+    if reasoning:
+        thought, text = ReasoningParser().split(text)
+        if thought is not None:
+            message["reasoning_content"] = thought
+    calls = []
+    if parser is not None:
+        text, calls = parser.parse(text)
+    message["content"] = text if text.strip() or not calls else None
+    if calls:
+        message["tool_calls"] = [c.to_dict() for c in calls]
+        finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
+    return message, finish_reason
+
+
+class StreamReply:
+    """One choice's stream: each text delta -> the delta dict to send (maybe empty); the finish adds the rest
+    of the content and the tool calls (one delta each: id, name and whole arguments)."""
+
+    def __init__(self, parser, reasoning: bool) -> None:
+        self.tools = StreamingToolParser(parser) if parser is not None else None
+        self.reasoning = StreamingReasoning() if reasoning else None
+        self.num_calls = 0
+
+    def delta(self, text: str, finished: bool) -> tuple[dict, bool]:
+        """(delta, whether tool calls were made)."""
+        delta: dict = {}
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, finished)
+            if thought:
+                delta["reasoning_content"] = thought
+        if self.tools is None:
+            if text:
+                delta["content"] = text
+            return delta, False
+        content = self.tools.feed(text)
+        calls = []
+        if finished:
+            rest, calls = self.tools.finish()
+            content += rest
+        if content and (content.strip() or not calls):
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c.to_dict()} for i, c in enumerate(calls)]
+        return delta, bool(calls)

@@ -1,0 +1,97 @@
+"""Structured outputs in the engine (offline LLM, tiny random model): constrained rows next to unconstrained ones
+leave those token-for-token unchanged; preemption (a tiny KV pool), prefix-cache hits and the async-scheduling
+pipeline leave the constrained outputs exactly those of a roomy, synchronous run; aborts while compiling."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from engine.llm import LLM
+from engine.request import FinishReason, SamplingParams, StructuredOutput
+
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+          "required": ["word", "n", "flags"], "additionalProperties": False}
+PROMPTS = ["The weather today is", "Once upon a time", "A list of numbers:", "JSON follows"]
+
+
+def json_params(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=80, structured=StructuredOutput(json=json.dumps(SCHEMA)), **kw)
+
+
+def run(llm: LLM, prompts, params) -> list[list[int]]:
+    return [c.token_ids for o in llm.generate(prompts, params) for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, async_scheduling=False)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Each request alone, synchronous, a roomy pool: what every other run must equal."""
+    free = [run(llm, [p], SamplingParams(temperature=0.0, max_tokens=24))[0] for p in PROMPTS]
+    constrained = [run(llm, [p], json_params())[0] for p in PROMPTS]
+    return llm.get_tokenizer(), free, constrained
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mixed_batch_unconstrained_rows_unchanged(llm, reference, async_scheduling):
+    tok, free, constrained = reference
+    llm.engine.async_scheduling = async_scheduling  # the engine reads it every step
+    prompts = [p for pair in zip(PROMPTS, PROMPTS) for p in pair]
+    params = [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS)
+    out = run(llm, prompts, params)
+    assert out[0::2] == free
+    assert out[1::2] == constrained
+    llm.engine.async_scheduling = False
+    for ids in out[1::2]:
+        jsonschema.validate(json.loads(tok.decode(ids, skip_special_tokens=True)), SCHEMA)
+
+
+def test_preemption_and_prefix_cache_keep_grammar_state(tiny_model_dir, llm, reference):
+    """6 blocks of 16 tokens for 4 requests of ~30 tokens (2 blocks each): they preempt each other and are
+    recomputed. Then a long prompt twice: the second run starts from the prefix cache."""
+    _, _, constrained = reference
+    small = LLM(str(tiny_model_dir("llama")), num_kv_blocks=6, max_num_seqs=4)
+    assert run(small, PROMPTS, json_params()) == constrained
+    assert small.engine.stats().scheduler.num_preemptions > 0
+    long_prompt = " ".join(PROMPTS * 4)
+    first = llm.generate([long_prompt], json_params())[0]
+    again = llm.generate([long_prompt], json_params())[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 16
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.outputs[0].finish_reason == "stop"
+
+
+def test_n3_sampled_and_abort_while_compiling(llm):
+    tok = llm.get_tokenizer()
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=80,
+                                                  structured=StructuredOutput(json=json.dumps(SCHEMA))))
+    for c in out[0].outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(tok.decode(c.token_ids, skip_special_tokens=True)), SCHEMA)
+    eng = llm.engine
+    eng.add_request("gone", tok.encode("x"), SamplingParams(max_tokens=8, structured=StructuredOutput(
+        regex="[a-z]{1,40}z")))
+    eng.abort_request("gone")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert [o.finish_reason for o in outs] == [FinishReason.ABORT]
+    assert eng.scheduler.stats().num_blocks_used == 0
+
+
+def test_ignore_eos_goes_on_unconstrained_after_the_grammar_ends(llm):
+    """Benchmarks fix output lengths with ignore_eos: the grammar's text comes first, whole, then free tokens."""
+    tok = llm.get_tokenizer()
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True,
+                                                  structured=StructuredOutput(json=json.dumps(SCHEMA))))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 60
+    value, end = json.JSONDecoder().raw_decode(tok.decode(c.token_ids, skip_special_tokens=True))
+    jsonschema.validate(value, SCHEMA)

@@ -1,0 +1,197 @@
+"""Structured outputs against the real server on a tiny random model: only the grammar mask makes its output
+valid. JSON schemas (hypothesis), json_object, regex, choice, grammar; greedy and sampled, n=3, streaming;
+bad constraints are fast 400s that leak nothing; the openai client's parse() helper."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server_utils import ServerThread, sse_events
+
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ServerThread(tiny_model_dir("llama"), served_model_name="tiny") as s:
+        yield s
+
+
+def post(server, path: str, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(server.url(path), json={"model": "tiny", "max_tokens": MAX_TOKENS, **body}, timeout=timeout)
+
+
+def texts(resp: httpx.Response, chat: bool = False) -> list[str]:
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert all(c["finish_reason"] == "stop" for c in choices), choices
+    return [c["message"]["content"] if chat else c["text"] for c in choices]
+
+
+# ---- schemas a weak model can finish: strings, arrays and numbers are bounded --------------------------
+
+_leaf = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.builds(lambda vals: {"type": "string", "enum": vals},
+              st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1, max_size=3, unique=True)),
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-50, 50), st.integers(0, 200)),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.just({"type": "string", "pattern": "^[a-z]{1,4}-[0-9]{2}$"}),
+)
+
+
+def _object(children):
+    def build(props, required_mask):
+        names = [f"k{i}" for i in range(len(props))]
+        required = [n for n, r in zip(names, required_mask) if r]
+        return {"type": "object", "properties": dict(zip(names, props)), "required": required,
+                "additionalProperties": False}
+    return st.lists(children, min_size=1, max_size=3).flatmap(
+        lambda props: st.builds(build, st.just(props), st.lists(st.booleans(), min_size=len(props),
+                                                                  max_size=len(props))))
+
+
+def _array(children):
+    return st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, children, st.integers(0, 3))
+
+
+schemas = st.recursive(_leaf, lambda children: st.one_of(_object(children), _array(children)), max_leaves=6)
+object_schemas = _object(schemas)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(schema=object_schemas, temperature=st.sampled_from([0.0, 1.0]))
+def test_hypothesis_json_schemas_validate(server, schema, temperature):
+    resp = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "data please"}], "temperature": temperature, "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    for text in texts(resp, chat=True):
+        jsonschema.validate(json.loads(text), schema)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("form", ["response_format", "structured_outputs", "guided_json"])
+def test_json_schema_forms_n3_completions(server, form):
+    spec = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+            "structured_outputs": {"json": PERSON}, "guided_json": json.dumps(PERSON)}[form]
+    resp = post(server, "/v1/completions", {"prompt": "Person:", "n": 3, "temperature": 1.0, form: spec})
+    outs = texts(resp)
+    assert len(outs) == 3
+    for text in outs:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_sampled(server):
+    """Any JSON object. Inside one the random model is free to go on forever, so a logit_bias favours the
+    closing tokens: the bias cannot beat the mask (a biased token the grammar forbids stays forbidden), and
+    EOS comes only once the object is complete."""
+    ids = [httpx.post(server.url("/tokenize"), json={"prompt": t}).json()["tokens"][-1] for t in ('"', "}", ":", "1")]
+    for seed in range(3):
+        resp = post(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "json"}], "temperature": 1.0, "seed": seed,
+            "logit_bias": {str(i): 30 for i in ids}, "response_format": {"type": "json_object"}})
+        assert isinstance(json.loads(texts(resp, chat=True)[0]), dict)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_choice_and_grammar(server, temperature):
+    regex = r"[a-z]{2,4}-\d{3}( [A-Z][a-z]{0,3})?"
+    for text in texts(post(server, "/v1/completions", {"prompt": "id", "n": 2, "temperature": temperature,
+                                                       "structured_outputs": {"regex": regex}})):
+        assert re.fullmatch(regex, text), text
+    choices = ["red", "green", "blue sky"]
+    for text in texts(post(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "colour?"}], "n": 3, "temperature": temperature,
+            "guided_choice": choices}), chat=True):
+        assert text in choices
+    gbnf = 'root ::= "(" [0-9]{1,3} ("+" [0-9]{1,3}){0,2} ")"'
+    for text in texts(post(server, "/v1/completions", {"prompt": "sum", "temperature": temperature,
+                                                       "guided_grammar": gbnf})):
+        assert re.fullmatch(r"\(\d{1,3}(\+\d{1,3}){0,2}\)", text), text
+
+
+def test_streaming_json(server):
+    body = {"model": "tiny", "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0.7, "seed": 5,
+            "messages": [{"role": "user", "content": "stream"}], "structured_outputs": {"json": PERSON}}
+    with httpx.stream("POST", server.url("/v1/chat/completions"), json=body, timeout=120) as resp:
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"structured_outputs": {"json": {"type": "objectx"}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+    ({"guided_grammar": 'root ::= "a" [0-9+'}, "structured_outputs.grammar"),
+    ({"guided_grammar": "start: a | b"}, "structured_outputs.grammar"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"guided_choice": []}, "structured_outputs.choice"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_regex": "a+", "min_tokens": 3}, "min_tokens"),
+])
+def test_bad_constraints_are_fast_400s(server, body, param):
+    start = time.monotonic()
+    resp = post(server, "/v1/completions", {"prompt": "x", **body})
+    assert time.monotonic() - start < 5
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] in ("invalid_grammar", "invalid_value", "unsupported") and err["param"] == param, err
+
+
+def test_server_keeps_serving_after_bad_constraints(server):
+    for _ in range(3):
+        assert post(server, "/v1/completions", {"prompt": "x", "guided_regex": "(("}).status_code == 400
+    assert texts(post(server, "/v1/completions", {"prompt": "x", "guided_choice": ["ok"]})) == ["ok"]
+    assert server.wait_blocks_free() == 0
+
+
+def test_openai_parse_with_pydantic_model(server):
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class Item(BaseModel):
+        label: str = Field(max_length=6)
+        count: int = Field(ge=0, le=99)
+        done: bool
+
+    client = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    completion = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "item"}],
+                                               response_format=Item, max_tokens=MAX_TOKENS, temperature=0)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Item)
+    assert 0 <= parsed.count <= 99 and len(parsed.label) <= 6
+
+
+def test_grammar_limits_refuse_a_schema_too_large(smollm2_tokenizer):
+    """--grammar-max-size / --grammar-compile-fuel: past them a schema is a 400, decided in milliseconds."""
+    from engine.grammar import GrammarLimits
+    from engine.request import StructuredOutput
+    from server.errors import APIError
+    from server.structured import GrammarChecker
+
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "string", "pattern": "^[a-z]{3,9}$"}
+                                            for i in range(300)}}
+    for limits in (GrammarLimits(max_grammar_size=500), GrammarLimits(lexer_fuel=2_000)):
+        checker = GrammarChecker(smollm2_tokenizer, 49152, limits)
+        checker.check(StructuredOutput(regex="ab?"))  # a small one passes
+        start = time.monotonic()
+        with pytest.raises(APIError) as err:
+            checker.check(StructuredOutput(json=json.dumps(big)))
+        assert err.value.code == "invalid_grammar" and time.monotonic() - start < 2
