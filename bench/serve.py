@@ -26,6 +26,7 @@ from bench.serve_client import (ClientShare, RequestResult, count_output_tokens,
                                 run_async, timed_request)
 from bench.serve_metrics import GOODPUT_METRICS, compute_metrics, print_summary, write_plot
 from bench.serve_workers import make_shares, run_shares
+from bench.structured_mix import FORMS, constrain
 
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -51,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-warmups", type=int, default=1, help="warm-up requests before the measured run")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--extra-body", default=None, help='JSON merged into every request, e.g. \'{"temperature": 0}\'')
+    g.add_argument("--structured-fraction", type=float, default=0.0,
+                   help="share of requests that carry bench/structured_mix.py's JSON schema (0-1)")
+    g.add_argument("--structured-form", choices=sorted(FORMS), default="structured_outputs",
+                   help="how the schema is sent: structured_outputs (kvserve, vLLM >= 0.10.2), guided_json "
+                        "(older vLLM) or response_format")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (env OPENAI_API_KEY)")
     g.add_argument("--allow-remote", action="store_true", help="allow a base URL that is not loopback")
     o = parser.add_argument_group("results")
@@ -152,6 +158,8 @@ async def prepare(args, base_url: str, requests: list[SampleRequest]) -> tuple[s
         except asyncio.TimeoutError:
             raise RuntimeError(f"GET /v1/models timed out after {args.request_timeout:g} s") from None
         bodies = [build_payload(model, r, args.ignore_eos, extra) for r in requests]
+        if args.structured_fraction:
+            bodies = constrain(bodies, args.structured_fraction, args.seed, args.structured_form)
         for _ in range(args.num_warmups):
             warm = RequestResult(requests[0].prompt_len, requests[0].expected_output_len)
             await timed_request(session, args.endpoint, json.dumps(bodies[0]).encode(), warm,

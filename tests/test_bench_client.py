@@ -90,3 +90,16 @@ def test_prefix_repetition_dataset_through_several_workers(stub_url, tmp_path):
     check(result, 12, 6)
     assert result["input_lens"] == [24] * 12 and result["dataset"] == "prefix_repetition"
     assert result["prefix_repetition_num_prefixes"] == 3
+
+
+def test_structured_fraction_constrains_exactly_that_share_of_bodies():
+    from bench.serve import build_parser
+    from bench.structured_mix import SCHEMA, constrain
+
+    args = build_parser().parse_args(["--structured-fraction", "0.2", "--structured-form", "guided_json"])
+    bodies = [{"prompt": [i], "max_tokens": 4} for i in range(50)]
+    out = constrain(bodies, args.structured_fraction, 0, args.structured_form)
+    assert [b for b in out if "guided_json" in b] and sum("guided_json" in b for b in out) == 10
+    assert all(b["guided_json"] == SCHEMA for b in out if "guided_json" in b)
+    assert all("guided_json" not in b for b in bodies)  # the originals are untouched
+    assert constrain(bodies, 0.2, 0) == constrain(bodies, 0.2, 0)  # seeded

@@ -1,7 +1,7 @@
 """A share of a serving benchmark's requests constrained by a JSON schema (issue 15's W-B at 0/20/100%).
 
-    from benchmarks.structured_mix import constrain
-    payloads = constrain(payloads, fraction=0.2, seed=0)          # before sending them
+    kvserve bench serve ... --structured-fraction 0.2 [--structured-form guided_json]
+    (bench/serve.py calls constrain(payloads, fraction, seed, form) on the bodies before sending them)
 
 Exactly round(fraction * len(payloads)) payloads, chosen by a seeded
 shuffle, get `structured_outputs: {"json": SCHEMA}` (vLLM >= 0.10.2 and kvserve read it; `--form guided_json`
