@@ -145,16 +145,19 @@ class ServerThread:
 
         addresses = CoreAddresses.new(1)
         self.core = start_engine_core(EngineCoreSpec(self.engine_config, addresses, "warning", self.engine_factory))
-        spec = FrontendSpec(self.settings, CoreConnection([CoreEndpoint(addresses, self.core.core_alive)]), self.engine_config.model)
-        self.aengine, self.app = build_frontend(spec)
-        config = uvicorn_config(self.app, self.settings)
-        if self.draining:
-            self.server = DrainingServer(config, self.aengine, self.settings.shutdown_timeout)
-        else:
-            self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
-        self.thread.start()
-        wait_ready(self.base_url)
+        try:
+            spec = FrontendSpec(self.settings, CoreConnection([CoreEndpoint(addresses, self.core.core_alive)]),
+                                self.engine_config.model)
+            self.aengine, self.app = build_frontend(spec)
+            config = uvicorn_config(self.app, self.settings)
+            self.server = (DrainingServer(config, self.aengine, self.settings.shutdown_timeout) if self.draining
+                           else uvicorn.Server(config))
+            self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+            self.thread.start()
+            wait_ready(self.base_url)
+        except BaseException:
+            self.core.shutdown(timeout=5)  # a front end that never came up must not leave its core behind
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

@@ -139,3 +139,30 @@ def test_sigterm_drains_every_process_and_metrics_count_every_front_end(model_di
     assert all(s.finish_reasons == ["length"] and s.events[-1] == "[DONE]" for s in streams)
     assert not wait_gone(children, 10)
     assert "Traceback" not in out
+
+
+LONELY_LAUNCHER = """
+import sys, time
+from engine.config import EngineConfig
+from engine.core.process import CoreAddresses, EngineCoreSpec, start_engine_core
+handle = start_engine_core(EngineCoreSpec(EngineConfig(model=sys.argv[1], device="cpu"), CoreAddresses.new(1), "warning"))
+print(handle.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_core_whose_front_end_never_came_up_exits_with_its_launcher(model_dir):
+    """The core loads, then waits for a front end to connect (to say Ready); if none ever does and the launcher
+    dies, the core must not wait forever."""
+    import subprocess
+    import sys
+
+    from server_utils import REPO
+
+    launcher = subprocess.Popen([sys.executable, "-c", LONELY_LAUNCHER, model_dir], cwd=REPO,
+                                stdout=subprocess.PIPE, text=True, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    core = psutil.Process(int(launcher.stdout.readline()))
+    time.sleep(8)  # long enough to load a tiny model and get stuck announcing it
+    launcher.kill()
+    launcher.wait()
+    assert not wait_gone([core], 15)

@@ -100,7 +100,7 @@ def run_engine_core(spec: EngineCoreSpec, launcher_alive, core_alive) -> None:
     context = zmq.Context()
     inbox, outboxes = _bind(context, spec.addresses)
     codec = Codec(FromCore)
-    engine = _load(spec, outboxes, codec)
+    engine = _load(spec, outboxes, codec, launcher_alive.fileno())
     if engine is None:
         raise SystemExit(1)
     from engine.core.loop import EngineCore
@@ -139,7 +139,7 @@ def _bind(context: zmq.Context, addresses: CoreAddresses):
     return inbox, outboxes
 
 
-def _load(spec: EngineCoreSpec, outboxes, codec: Codec):
+def _load(spec: EngineCoreSpec, outboxes, codec: Codec, lifeline_fd: int):
     """The engine, or None after telling every front end why loading failed."""
     import time
 
@@ -148,8 +148,7 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec):
         engine = _build(spec)
     except BaseException as exc:
         logger.exception("loading the model failed")
-        for sock in outboxes:
-            sock.send(codec.encode(LoadFailed(f"{type(exc).__name__}: {exc}"[:2000])))
+        _announce(outboxes, codec.encode(LoadFailed(f"{type(exc).__name__}: {exc}"[:2000])), lifeline_fd)
         return None
     from engine.core.loop import core_stats
     from engine.malloc import freeze_startup_objects
@@ -159,10 +158,28 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec):
                   str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine),
                   spec.engine_config.block_size,
                   engine.config.grammar_max_size, engine.config.grammar_compile_fuel)
-    for sock in outboxes:
-        sock.send(codec.encode(ready))
+    if not _announce(outboxes, codec.encode(ready), lifeline_fd):
+        raise SystemExit(1)
     logger.info("model loaded in %.1f s: the engine core is ready", time.monotonic() - start)
     return engine
+
+
+def _announce(outboxes, data: bytes, lifeline_fd: int) -> bool:
+    """Send `data` to every front end, waiting for each to connect, unless the launcher dies first (False).
+    A blocking send to a front end that never connects (one that failed to start) hung the core forever,
+    outside the loop that watches the lifeline: it outlived its launcher (seen in the tests)."""
+    poller = zmq.Poller()
+    poller.register(lifeline_fd, zmq.POLLIN)
+    for sock in outboxes:
+        while True:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                if poller.poll(50):
+                    logger.error("the launcher is gone before a front end connected: the engine core exits")
+                    return False
+    return True
 
 
 def _build(spec: EngineCoreSpec):
