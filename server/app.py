@@ -83,7 +83,7 @@ def create_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.engine = client
     app.state.settings = settings
     app.state.ctx = None  # ServingContext, built once the model is loaded
-    client.metrics.name_engines(model_name(client.model, settings),  # the vllm:* series' labels
+    client.metrics.name_engines(model_names(client.model, settings)[0],  # the vllm:* series' labels
                                 lambda: {link.index: link.stats for link in client.links})
     install_handlers(app)
     app.add_exception_handler(serving.ClientGone, _client_gone)
