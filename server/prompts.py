@@ -15,7 +15,6 @@ chat_parse_special_tokens turns all of this off for trusted callers.
 from __future__ import annotations
 
 from server.errors import APIError
-from server.protocol import message_dicts
 
 MARK = "\ue000kvserve-message-{}\ue001"  # private-use characters: no template writes them
 
