@@ -9,13 +9,13 @@ so a user cannot open a system turn; only the template's own text has control to
 control-token string (nearly all) are tokenized as one text, exactly as before. Otherwise the template is
 rendered once more with placeholders for the messages: the pieces between placeholders are the template's
 (tokenized with their control tokens), the messages are tokenized with special tokens split. A template that
-rewrites message text (so the placeholders do not line up) cannot be split so: such a request is refused.
+rewrites message text (so the placeholders do not line up) cannot be split so: such a request is refused, as
+is one with a control token outside message content (a name, tool-call arguments).
 chat_parse_special_tokens turns all of this off for trusted callers.
 """
 from __future__ import annotations
 
 from server.errors import APIError
-from server.protocol import message_dicts
 
 MARK = "\ue000kvserve-message-{}\ue001"  # private-use characters: no template writes them
 

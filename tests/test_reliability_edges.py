@@ -5,7 +5,6 @@ the server's whole log: no traceback, no 500, no "Too many open files", no query
 """
 from __future__ import annotations
 
-import http.client
 import shutil
 import socket
 import threading
