@@ -296,8 +296,10 @@ class LLMEngine:
             lp = logprobs.get(req.request_id) if logprobs else None
             # Positional, error=None: keyword arguments cost ~0.1 us apiece, ~256 times a step.
             outputs.append(StepOutput(comp.parent_id, comp.index, [token], text, [lp] if lp else None,
-                                      req.finish_reason, req.stop_reason, None, len(req.prompt_token_ids),
+                                      req.finish_reason, req.stop_reason, req.error, len(req.prompt_token_ids),
                                       req.num_cached_tokens))
+            if req.error_code is not None:
+                outputs[-1].error_code = req.error_code
             if comp.prompt_logprobs is not None:
                 outputs[-1].prompt_logprobs, comp.prompt_logprobs = comp.prompt_logprobs, None
             if req.status is FINISHED:
@@ -323,7 +325,10 @@ class LLMEngine:
             return
         if req.grammar.accept(token) or req.is_finished:
             return
-        logger.error("request %s: token %d breaks its grammar (%s)", req.request_id, token, req.grammar.error())
+        why = req.grammar.error()
+        logger.warning("request %s: token %d breaks its grammar (%s)", req.request_id, token, why)
+        req.error = f"the output cannot follow the request's constraint: {why}"[:300]
+        req.error_code = "invalid_grammar"  # the grammar's fault (e.g. too complex to parse), not the server's
         self.scheduler.finish_request(req.request_id, FinishReason.ERROR)
 
     def _detokenize(self, req: Request, detok: IncrementalDetokenizer, token: int) -> str:

@@ -188,6 +188,10 @@ class Request:
     # The matcher of a structured request (engine.structured.Grammar): it has consumed every output token,
     # so a preempted request resumes its grammar where it was (recompute changes the KV, not the tokens).
     grammar: object | None = None
+    # Why it ended with FinishReason.ERROR when the request itself is at fault (its grammar cannot be
+    # followed): a message and an error code for the client (a 400, not a 500).
+    error: str | None = None
+    error_code: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -254,6 +258,7 @@ class StepOutput:
     num_cached_tokens: int = 0
     # prompt_logprobs: the prompt's tokens from the second on, once, with the completion's first output
     prompt_logprobs: list[TokenLogprob] | None = None
+    error_code: str | None = None  # with `error`, when the request is at fault (e.g. invalid_grammar)
 
     @property
     def finished(self) -> bool:

@@ -146,7 +146,10 @@ class Generation:
         for key, _ in failed:
             self._finish(self.completions[key], FinishReason.ERROR, None, "", [], None)
         if failed:
-            raise APIError(500, failed[0][1].error or "the model step failed", "internal_error")
+            d = failed[0][1]
+            if d.error_code is not None:  # the request's own fault, e.g. a grammar that cannot be followed
+                raise APIError(400, d.error, d.error_code)
+            raise APIError(500, d.error or "the model step failed", "internal_error")
 
     def _advance(self, comp: Completion, deltas: list[TokenDelta]) -> StepOutput | None:
         """Fold one completion's deltas in; the StepOutput to hand out now, or None (nothing, or held back)."""

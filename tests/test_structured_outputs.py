@@ -195,3 +195,19 @@ def test_grammar_limits_refuse_a_schema_too_large(smollm2_tokenizer):
         with pytest.raises(APIError) as err:
             checker.check(StructuredOutput(json=json.dumps(big)))
         assert err.value.code == "invalid_grammar" and time.monotonic() - start < 2
+
+
+def test_a_grammar_the_engine_cannot_follow_is_a_400_not_a_500(server):
+    """Found by the schema fuzzer: a regex of odd code points passes the front end's check, then the parser
+    gives up mid-generation (ParserTooComplex). That is the request's fault: 400 invalid_grammar, blocks freed."""
+    bodies = [{"prompt": [5, 6, 7], "max_tokens": 8, "guided_regex": "\u00f2\ud9cb\udf48\u0014"},
+              {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 1.0, "seed": 3,
+               "guided_regex": "(\u00f2|\U00102f48)+\u0014"}]
+    for body in bodies:
+        resp = httpx.post(server.url("/v1/completions"), content=json.dumps(body, ensure_ascii=True),
+                          headers={"content-type": "application/json"}, timeout=120)
+        assert resp.status_code in (200, 400), resp.text
+        if resp.status_code == 400:
+            assert resp.json()["error"]["code"] == "invalid_grammar"
+    assert server.wait_blocks_free() == 0
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200

@@ -62,7 +62,7 @@ def core_stats(engine) -> CoreStats:
 
 def to_delta(out: StepOutput) -> TokenDelta:
     return TokenDelta(out.request_id, out.index, out.new_token_ids, out.new_logprobs, out.finish_reason,
-                      out.stop_reason, out.error, out.num_prompt_tokens, out.num_cached_tokens, out.prompt_logprobs)
+                      out.stop_reason, out.error, out.num_prompt_tokens, out.num_cached_tokens, out.prompt_logprobs, out.error_code)
 
 
 class EngineCore:

@@ -52,6 +52,7 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # with a completion's first token, when asked
+    error_code: str | None = None  # set with `error` when the request is at fault: the front end answers 400
 
 
 class Rejection(msgspec.Struct, array_like=True, gc=False):
