@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from server import __version__
+from server.http_guard import quiet_accept_errors
 from server.engine_client import EngineClient, own_copy
 from server.errors import APIError, from_validation_errors, install_handlers
 from server.metrics import CONTENT_TYPE
@@ -103,6 +104,7 @@ def _lifespan(client: EngineClient, settings: ServerSettings):
     async def lifespan(app: FastAPI):
         executor = ThreadPoolExecutor(max_workers=settings.tokenizer_workers, thread_name_prefix="kvserve-tokenize")
         app.state.executor = executor
+        quiet_accept_errors(asyncio.get_running_loop())
         await client.start()
         try:
             yield

@@ -206,3 +206,23 @@ def guarded_protocol(limits: EdgeLimits) -> type[GuardedProtocol]:
     capped = EdgeLimits(connection_cap(limits.max_connections), limits.header_timeout, limits.body_timeout,
                         limits.write_timeout)
     return type("GuardedProtocol", (GuardedProtocol,), {"limits": capped, "refused": {"count": 0, "warned": 0.0}})
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio accepts a burst of pending connections in one go, before the connection cap can refuse any, so
+    a burst past the open-file limit makes accept() fail; asyncio then pauses accepting for a second and logs
+    a traceback per failure. Those become one warning a minute: the pause is the right reaction, the
+    traceback flood is not (seen in CI: 400 idle sockets against two front ends under a 256-file limit)."""
+    last = {"at": float("-inf"), "count": 0}
+
+    def handler(loop, context: dict) -> None:
+        if not str(context.get("message", "")).startswith("socket.accept() out of system resource"):
+            loop.default_exception_handler(context)
+            return
+        last["count"] += 1
+        if time.monotonic() - last["at"] >= 60:
+            last["at"] = time.monotonic()
+            logger.warning("accepting paused %d time(s): out of file descriptors (a burst of connections beyond "
+                           "max_connections); asyncio retries in a second", last["count"])
+
+    loop.set_exception_handler(handler)

@@ -109,3 +109,27 @@ def test_a_connection_over_the_cap_gets_503(serve):
     assert extra.recv(100).startswith(b"HTTP/1.1 503")
     for s in socks + [extra]:
         s.close()
+
+
+def test_accept_failures_from_a_burst_become_one_warning_without_traceback(caplog):
+    """CI saw a burst of 400 sockets make accept() fail with EMFILE before the cap could refuse them, and
+    asyncio logged a traceback per failure; now one warning a minute, other loop errors untouched."""
+    import asyncio
+    import errno
+    import logging
+
+    from server.http_guard import quiet_accept_errors
+
+    loop = asyncio.new_event_loop()
+    try:
+        quiet_accept_errors(loop)
+        with caplog.at_level(logging.WARNING):
+            for _ in range(5):
+                loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                             "exception": OSError(errno.EMFILE, "Too many open files")})
+            loop.call_exception_handler({"message": "something else", "exception": RuntimeError("boom")})
+    finally:
+        loop.close()
+    text = caplog.text
+    assert text.count("accepting paused") == 1 and "Too many open files" not in text
+    assert "something else" in text  # the default handler still reports the rest
