@@ -95,6 +95,34 @@ def _keys_per_split(seq_len, NUM_SPLITS: tl.constexpr, MIN_KEYS: tl.constexpr, B
 
 
 @triton.jit
+def _attend_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, start, kv_hi, q_pos, qk_scale,
+                 stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok, BLOCK_N: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_N tile of keys through the online softmax. MASKED: bound keys by kv_hi and each row's
+    position; unmasked tiles (wholly visible to every row) skip both, and the block-table bound."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = offs_n < kv_hi
+    else:
+        n_ok = tl.full([BLOCK_N], 1, tl.int1)
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    k = tl.load(k_base + (page * stride_kb + in_page * stride_ks)[None, :] + offs_d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_P, BLOCK_N]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    if MASKED:
+        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_P]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, qk_scale,
@@ -115,8 +143,9 @@ def _paged_attention_kernel(
         seq = _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-        q_block = pid - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:  # a spare program: its sequence has fewer blocks
+        # The sequence's last (longest: it sees the most keys) query block first, so short ones fill the tail.
+        q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - (pid - (q_start // BLOCK_Q + seq))
+    if q_block < 0:  # a spare program: its sequence has fewer blocks
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
@@ -151,23 +180,23 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_hi
-        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks + kv_head * stride_kh)[None, :]
-                    + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_P, BLOCK_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
-        s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None]
-                    + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_P]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    # Tiles wholly before the block's first query position need no mask (every row sees every key):
+    # most of a long prefill's tiles. Only the tiles from there on are masked (causal diagonal, the end).
+    if DECODE_ONLY:
+        unmasked_end = kv_hi
+    else:
+        unmasked_end = tl.minimum(kv_hi, context_len + q_block * BLOCK_Q)
+    unmasked_end = kv_lo + tl.maximum(unmasked_end - kv_lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_lo, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, start, kv_hi, q_pos, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok, BLOCK_N, PAGE_SIZE,
+                                     DOT_PRECISION, False)
+    for start in range(unmasked_end, kv_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, start, kv_hi, q_pos, qk_scale,
+                                     stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok, BLOCK_N, PAGE_SIZE,
+                                     DOT_PRECISION, True)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     token = (q_start + q_idx).to(tl.int64)
@@ -221,14 +250,14 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, stri
              mask=offs_d < HEAD_DIM)
 
 
-def _tiles(head_dim_p: int, group: int, decode_only: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): short row tiles for decodes, taller ones when prefills are in.
+def _tiles(head_dim_p: int, group: int, decode_only: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): short row tiles for decodes, taller ones when prefills are in.
     Sized so that ptxas reports no spills on sm_90 (checked for head dims 64 and 128)."""
     block_m = 16 if decode_only else (128 if head_dim_p <= 64 else 64)
     block_m = max(block_m, triton.next_power_of_2(group))
     block_n = 64 if head_dim_p <= 128 else 32
     num_warps = 4 if decode_only and head_dim_p <= 64 else 8
-    return block_m, block_n, num_warps
+    return block_m, block_n, num_warps, 2
 
 
 def _pow2_floor(n: int) -> int:
@@ -255,16 +284,17 @@ def _decode_splits(max_keys: int, split_keys: int) -> int:
 
 def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sm_count: int,
-                           num_splits: int | None = None, decode_split_keys: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, decode_split_keys: int | None = None,
+                           tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, dim] -> [num_tokens, num_heads, dim]. `num_splits` and
     `decode_split_keys` (a multiple of the key tile, 64) None: chosen from shapes (_num_splits,
-    _decode_split_keys, _decode_splits); tests and benchmarks force them."""
+    _decode_split_keys, _decode_splits); tests and benchmarks force them, and `tiles` (_tiles' tuple)."""
     num_tokens, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
     decode_only = meta.num_prefills == 0
-    block_m, block_n, num_warps = _tiles(head_dim_p, group, decode_only)
+    block_m, block_n, num_warps, num_stages = tiles or _tiles(head_dim_p, group, decode_only)
     block_q = block_m // group
     grid_q = meta.num_seqs if decode_only else num_tokens // block_q + meta.num_seqs
     max_keys = meta.block_tables.shape[1] * page_size
@@ -292,7 +322,7 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
         SPLIT_KEYS=split_keys, DECODE_ONLY=decode_only,
         # float32 caches (rare on GPU) keep full precision; tf32 would cost ~1e-3 relative error.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, meta.seq_lens, out.stride(0), out.stride(1), NUM_HEADS=num_heads,

@@ -7,7 +7,8 @@ Per backend and workload it reports
   eager_us  wall time per call, calls back to back (host overhead included when it dominates),
   graph_us  per call from a CUDA graph of one round of calls (GPU time alone; n/a when capture fails),
 Calls rotate over copies of the K/V caches ("layers", >= 512 MiB in all) so the L2 cannot serve them.
-  GB/s      K/V bytes the batch must read / graph_us (or eager_us), for the decode workloads.
+  GB/s      K/V bytes the batch must read / graph_us (or eager_us), for the decode workloads,
+  TFLOP/s   causal attention's matmul FLOPs / graph_us (or eager_us), for the prefill workloads.
 Shapes: Qwen2.5-0.5B attention (14 heads, 2 kv heads, head dim 64) and a head-dim-128 one
 (32 heads, 8 kv heads, as Llama-3-8B). The table's order guides attention.CUDA_AUTO_ORDER.
 """
@@ -34,8 +35,19 @@ def workloads(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
     mixed = [(0, 512), (0, 300), (1024, 512), (600, 256)] + [(rng.randint(300, 900), 1) for _ in range(128)]
     long_decode = [(rng.randint(7000, 9000), 1) for _ in range(8)]
     spread = [(rng.randint(100, 2047), 1) for _ in range(256)]  # W-A's decode steps: contexts of 100 to 2k
+    # W-L's steps (issue 19): two fresh 8k prompts; a prompt's second chunk over its cached first one beside a
+    # fresh one and W-L's 64 decodes; W-L's decode steps at 8k and 32k contexts.
+    wl_chunk = [(4096, 4096), (0, 8192), (0, 4032)] + [(rng.randint(8192, 8448), 1) for _ in range(64)]
     return {"decode 256 x ~600": decode, "mixed 4 prefills + 128 decodes": mixed, "decode 8 x ~8k": long_decode,
-            "decode 256 x 100-2k": spread}
+            "decode 256 x 100-2k": spread, "prefill 2 x 8k fresh": [(0, 8192), (0, 8192)],
+            "prefill 8k chunks over 4k cached + 64 decodes": wl_chunk,
+            "decode 64 x ~8k": [(rng.randint(8192, 8448), 1) for _ in range(64)],
+            "decode 64 x ~32k": [(rng.randint(32768, 33024), 1) for _ in range(64)]}
+
+
+def attention_flops(lens: list[tuple[int, int]], num_heads: int, head_dim: int) -> int:
+    """Causal attention's matmul FLOPs (QK^T and PV): query i of a chunk over c cached keys sees c + i + 1 keys."""
+    return sum(4 * num_heads * head_dim * (q * c + q * (q + 1) // 2) for c, q in lens)
 
 
 def _eager_us(calls: list, iters: int) -> float:
@@ -107,6 +119,31 @@ def bench_triton_variant(batch, layers, heads: tuple[int, int, int], iters: int,
 
 TRITON_VARIANTS = {"triton (split-KV off)": {"num_splits": 1}, **{
     f"triton (decode ranges of {n})": {"decode_split_keys": n} for n in (256, 512, 1024)}}
+# Prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) against _tiles' choice, for batches with prefills.
+TRITON_PREFILL_TILES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
+                        (256, 64, 8, 2)]
+
+
+def bench_dense_prefill(batch, heads: tuple[int, int, int], iters: int, kernel: str) -> dict | None:
+    """Fresh prompts only (no cached context): attention over the step's own K/V, contiguous, no page table,
+    through flash-attn-4's or torch's varlen kernel. None when the batch has cached context or decodes."""
+    meta = batch.meta
+    if any(s.context_len for s in batch.specs) or meta.num_decode_tokens:
+        return None
+    cu, max_q, scale = meta.query_start_loc, meta.max_query_len, heads[2] ** -0.5
+    if kernel == "flash-attn-4":
+        from flash_attn.cute import flash_attn_varlen_func
+
+        def call():
+            return flash_attn_varlen_func(batch.query, batch.key, batch.value, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          max_seqlen_q=max_q, max_seqlen_k=max_q, softmax_scale=scale, causal=True)
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+
+        def call():
+            return varlen_attn(batch.query, batch.key, batch.value, cu, cu, max_q, max_q, scale=scale,
+                               window_size=(-1, 0), enable_gqa=True)
+    return {"eager_us": _eager_us([call], iters), "graph_us": _graph_us([call], iters)}
 
 
 def kv_bytes(batch, heads: tuple[int, int, int]) -> int:
@@ -134,10 +171,29 @@ def run(iters: int, only: str | None = None) -> list[dict]:
                     variants += [(label, functools.partial(bench_triton_variant, batch, layers, heads, iters, **opts))
                                  for label, opts in TRITON_VARIANTS.items()
                                  if work_name.startswith("decode") or opts.get("num_splits")]
+                    if not work_name.startswith("decode"):
+                        variants += [(f"triton (tiles {t})", functools.partial(
+                            bench_triton_variant, batch, layers, heads, iters, tiles=t)) for t in TRITON_PREFILL_TILES]
+                if name in ("triton", "flash-attn-4") and work_name.startswith("prefill"):
+                    kernel = "torch" if name == "triton" else name  # torch's varlen rides along once
+                    variants.append((f"{kernel} varlen (dense K/V, no pages)",
+                                     functools.partial(bench_dense_prefill, batch, heads, iters, kernel)))
                 for label, bench in variants:
-                    row = {"shape": shape_name, "workload": work_name, "backend": label, **bench()}
+                    try:
+                        result = bench()
+                    except Exception as e:  # a variant the installed kernels refuse: say so, go on
+                        result = {"skipped": f"{type(e).__name__}: {e}"[:200]}
+                    if result is None:
+                        continue
+                    row = {"shape": shape_name, "workload": work_name, "backend": label, **result}
+                    if "skipped" in row:
+                        rows.append(row)
+                        print(_format_row(row), flush=True)
+                        continue
                     best = row["graph_us"] or row["eager_us"]
                     row["gb_per_s"] = kv_bytes(batch, heads) / best / 1e3 if work_name.startswith("decode") else None
+                    row["tflop_per_s"] = (attention_flops(lens, heads[0], heads[2]) / best / 1e6
+                                          if not work_name.startswith("decode") else None)
                     rows.append(row)
                     print(_format_row(row), flush=True)
     return rows
@@ -145,10 +201,12 @@ def run(iters: int, only: str | None = None) -> list[dict]:
 
 def _format_row(row: dict) -> str:
     if "skipped" in row:
-        return f"| {row['shape']} | {row['workload']} | {row['backend']} | skipped | | |"
+        return f"| {row['shape']} | {row['workload']} | {row['backend']} | skipped: {row['skipped'][:80]} | | | |"
     graph = f"{row['graph_us']:.1f}" if row["graph_us"] is not None else "n/a"
     gbs = f"{row['gb_per_s']:.0f}" if row["gb_per_s"] is not None else ""
-    return f"| {row['shape']} | {row['workload']} | {row['backend']} | {row['eager_us']:.1f} | {graph} | {gbs} |"
+    tflops = f"{row['tflop_per_s']:.0f}" if row.get("tflop_per_s") is not None else ""
+    return (f"| {row['shape']} | {row['workload']} | {row['backend']} | {row['eager_us']:.1f} | {graph} | {gbs} "
+            f"| {tflops} |")
 
 
 def main() -> None:
@@ -167,7 +225,8 @@ def main() -> None:
     rows = run(args.iters, args.only)
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
-    print(f"\n{env}\n| shape | workload | backend | eager us/call | graph us/call | KV GB/s |\n|---|---|---|---|---|---|")
+    print(f"\n{env}\n| shape | workload | backend | eager us/call | graph us/call | KV GB/s | TFLOP/s |\n"
+          "|---|---|---|---|---|---|---|")
     for row in rows:
         print(_format_row(row))
 

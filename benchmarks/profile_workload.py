@@ -24,11 +24,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from bench.models import build_random_model, free_device_memory, parse_model_config  # noqa: E402
-from bench.workloads import workload_wa, workload_wb  # noqa: E402
+from bench.models import QWEN2_5_0_5B, build_random_model, free_device_memory, parse_model_config  # noqa: E402
+from bench.throughput import PRESET_LIMITS, PRESET_MODELS  # noqa: E402
+from bench.workloads import workload_wa, workload_wb, workload_wl  # noqa: E402
 
-WORKLOADS = {"wa": workload_wa, "wb": workload_wb}
+VOCAB = QWEN2_5_0_5B["vocab_size"]
+WORKLOADS = {"wa": workload_wa, "wb": workload_wb, "wl": lambda: workload_wl(VOCAB, 8192),
+             "wl-32k": lambda: workload_wl(VOCAB, 32768)}
+DEFAULT_LIMITS = {"max_model_len": 2048, "max_num_batched_tokens": 16384}
 DECODE_GROUPS = ((193, 256), (129, 192), (65, 128), (17, 64), (1, 16))
+# Kernel name fragments -> what the layer does (first match wins), for the per-category breakdown.
+CATEGORIES = (("attention", ("attention", "attn", "flash", "fmha", "merge_splits")), ("kv write", ("write_kv",)),
+              ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "splitk")),
+              ("norm", ("rms_norm", "norm")), ("rope", ("rope",)), ("silu*mul", ("silu",)),
+              ("sampling / logits", ("argmax", "softmax", "sort", "topk", "exponential", "sampl")))
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
 
 
 def sync() -> None:
@@ -112,7 +126,11 @@ def kernel_table(prof, window: tuple[int, int], batch: int, top: int = 12) -> di
             per_kernel[evt.name] += evt.self_cpu_time_total / steps
     total = sum(per_kernel.values())
     rows = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+    per_category: dict[str, float] = defaultdict(float)
+    for k, v in per_kernel.items():
+        per_category[category(k)] += v
     return {"window": list(window), "batch_at_start": batch, "device_us_per_step": total,
+            "categories": {c: v for c, v in sorted(per_category.items(), key=lambda kv: -kv[1])},
             "top": [{"kernel": k[:100], "us_per_step": v, "share": v / total} for k, v in rows]}
 
 
@@ -124,8 +142,9 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
     if split_keys:  # read at capture: graphs keep the split count they were captured with
         from attention.triton_paged import TritonAttentionImpl
         TritonAttentionImpl.decode_split_keys = split_keys
-    llm = LLM(model=str(model_dir), attention_backend=backend, max_model_len=2048, max_num_batched_tokens=16384,
-              max_num_seqs=256, skip_tokenizer_init=True, enable_prefix_caching=False)
+    limits = PRESET_LIMITS.get(next(iter(workloads)), DEFAULT_LIMITS)
+    llm = LLM(model=str(model_dir), attention_backend=backend, max_num_seqs=256, skip_tokenizer_init=True,
+              enable_prefix_caching=False, **limits)
     engine, results = llm.engine, []
     windows = [tuple(int(x) for x in w.split("-")) for w in args.windows.split(",") if w]
     for i, (name, workload) in enumerate(workloads.items()):
@@ -161,6 +180,8 @@ def print_result(r: dict) -> None:
     for k in r["kernels"]:
         print(f"-- steps {k['window'][0]}-{k['window'][1]} (batch {k['batch_at_start']}): "
               f"{k['device_us_per_step'] / 1e3:.3f} ms of kernels per step")
+        print("   " + ", ".join(f"{c} {v / 1e3:.2f} ms ({v / k['device_us_per_step']:.0%})"
+                                 for c, v in k.get("categories", {}).items()))
         for row in k["top"]:
             print(f"{row['us_per_step']:10.1f} us {row['share']:6.1%}  {row['kernel']}")
 
@@ -202,10 +223,11 @@ def plot_groups(results: list[dict], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="wa", help=f"comma-separated, of {sorted(WORKLOADS)}")
+    p.add_argument("--preset", default="wa", help=f"comma-separated, of {sorted(WORKLOADS)}; the engine takes the "
+                   "first one's limits (wl, wl-32k: bench throughput's), so profile wl and wl-32k in separate runs")
     p.add_argument("--attention-backend", default="triton,flash-attn-4")
     p.add_argument("--windows", default="0-12,300-306,800-806", help="step windows to profile, first-last")
-    p.add_argument("--model-config", default="qwen2.5-0.5b")
+    p.add_argument("--model-config", help="default: the first preset's (bench throughput's PRESET_MODELS)")
     p.add_argument("--num-requests", type=int, help="only the first N requests (a CPU smoke test)")
     p.add_argument("--triton-decode-split-keys", default="",
                    help="comma-separated keys per split-KV range in triton's decode-only batches, one engine "
@@ -224,7 +246,8 @@ def main() -> int:
     splits = [int(x) for x in args.triton_decode_split_keys.split(",") if x] or [None]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_random_model(parse_model_config(args.model_config), Path(tmp))
+        config = args.model_config or PRESET_MODELS[args.preset.split(",")[0]]
+        model_dir = build_random_model(parse_model_config(config), Path(tmp))
         for backend in args.attention_backend.split(","):
             for split_keys in (splits if backend == "triton" else [None]):
                 results += profile_backend(model_dir, backend, split_keys, workloads, args)

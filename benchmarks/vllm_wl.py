@@ -49,6 +49,8 @@ def main() -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="wl")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="output tokens per prompt (default: the preset's 256); 1 times the prefill alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     for key, value in ENV.items():
@@ -62,7 +64,8 @@ def main() -> int:
               max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, seed=0)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in w.prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=w.output_lens[0], ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len or w.output_lens[0], ignore_eos=True,
+                            detokenize=False)
     llm.generate(inputs[:4], SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False), use_tqdm=False)
     runs = []
     for rep in range(args.repeat):
