@@ -1,9 +1,17 @@
-"""Decode-only steps through our Triton kernel, steps with prefills through flash-attn-4.
+"""Triton for decodes and short mixed steps, flash-attn-4 for steps with long prefills.
 
-Both read the same paged KV layout and the same metadata, and each is the faster one on its side
-(docs/benchmarks.md, "Attention kernels": Triton 1.4-3.2x faster on decode batches, flash-attn-4 up
-to 2.2x faster on prefill-heavy batches). Decode steps are the ones replayed from CUDA graphs, so the
-graphs hold only the Triton path; prefill steps run eagerly through flash-attn-4.
+Both read the same paged KV layout and the same metadata. Each is the faster one on its side:
+- Triton is 1.4-3.2x faster on decode batches (docs/benchmarks.md, "Attention kernels").
+- flash-attn-4 is faster on prefill-heavy batches. On W-L's 16k-token steps, one layer on the H200 takes
+  628 us against Triton's 1,012 us for 8k chunks over cached context, and 510 against 730 us for two
+  fresh 8k prompts (385-471 TFLOP/s against 239-329).
+
+The rule is per step, from shapes alone. A step with prefills and more than FLASH_MIN_TOKENS tokens goes
+to flash-attn-4, eagerly. Every other step goes to Triton. That includes decode-only steps and mixed
+steps of up to MAX_MIXED_GRAPH_TOKENS (engine/cuda_graphs.py), so CUDA graphs only ever capture the
+Triton path. Below that size a step's launches cost more than its kernels, and flash-attn-4's eager
+launch takes ~80 us of host time a layer.
+FLASH_MIN_TOKENS must be at least the engine's largest mixed graph (tests/test_attention_gpu.py).
 """
 from __future__ import annotations
 
@@ -13,6 +21,8 @@ from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
 from attention.flash_attn import FlashAttn4Backend, FlashAttn4Impl
 from attention.triton_paged import TritonAttentionBackend, TritonAttentionImpl
 
+FLASH_MIN_TOKENS = 1024
+
 
 class HybridAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
@@ -21,14 +31,16 @@ class HybridAttentionImpl(AttentionImpl):
         self.prefill = FlashAttn4Impl(num_heads, head_dim, scale, num_kv_heads)
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
-        impl = self.prefill if meta.num_prefills else self.decode
+        long_prefill = meta.num_prefills and query.shape[0] > FLASH_MIN_TOKENS
+        impl = self.prefill if long_prefill else self.decode
         return impl.forward(query, key, value, key_cache, value_cache, meta)
 
 
 class HybridAttentionBackend(AttentionBackend):
     name = "triton+flash-attn-4"
     impl_cls = HybridAttentionImpl
-    supports_cuda_graphs = True  # graphs capture decode-only steps: the Triton path
+    supports_cuda_graphs = True  # graphs capture decode-only and short mixed steps: the Triton path
+    supports_mixed_cuda_graphs = True
     supported_dtypes = FlashAttn4Backend.supported_dtypes
 
     @classmethod

@@ -204,3 +204,20 @@ def test_mixed_cuda_graph_replay_with_another_batch_make_up(name):
     n = _num_real(static)
     assert _rel_err(eager[:n], ref[:n]) < 1e-2
     _capture_then_replay_with(impl, ref_impl, static, fresh)
+
+
+def test_hybrid_sends_only_long_prefill_steps_to_flash_attn():
+    """CUDA graphs must capture the Triton path only: every mixed graph is at most FLASH_MIN_TOKENS long."""
+    from attention.hybrid import FLASH_MIN_TOKENS
+    from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS
+
+    assert FLASH_MIN_TOKENS >= MAX_MIXED_GRAPH_TOKENS
+    backend = _backend_or_skip("triton+flash-attn-4", 64, 16)
+    impl = backend.impl_cls(14, 64, 64 ** -0.5, NUM_KV_HEADS)
+    calls = []
+    impl.prefill.forward = lambda *a: calls.append("flash") or impl.decode.forward(*a)
+    for lens, expected in (([(0, 600), (40, 1)], []), ([(0, 1500), (40, 1)], ["flash"]), ([(900, 1)] * 4, [])):
+        calls.clear()
+        batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, 16, torch.bfloat16, "cuda", seed=3)
+        impl.forward(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta)
+        assert calls == expected, lens
