@@ -27,14 +27,15 @@ _REGISTRY = (
 )
 BACKEND_NAMES = tuple(name for name, _, _ in _REGISTRY)
 
-# The "auto" order on CUDA, measured on the H200 on 2026-12-02 (docs/benchmarks.md, one machine session,
-# Qwen2.5-0.5B shape, output tok/s, median of 3): triton 54.4k on W-B and 38.0k on W-A, flash-attn-4 52.7k
-# and 44.3k, the hybrid (Triton decode graphs, flash-attn-4 prefills) 45.9k and 42.1k; vLLM 0.24.0 24.1k
-# and 25.5k beside them. No backend wins both; triton is first: the best on W-B, within 14% of the best on
-# W-A, greedy bfloat16 tokens closest to transformers' (7 of 8 SmolLM2 prompts over 32 tokens against
-# flash-attn-4's 5), float32-capable, and steady: runs through flash-attn-4 had outlier repetitions (W-A
-# 6.2 s against ~3 s), which look like its just-in-time compiles of new shape variants (not confirmed).
-CUDA_AUTO_ORDER = ("triton", "flash-attn-4", "triton+flash-attn-4", "flash-attn")
+# The "auto" order on CUDA (docs/benchmarks.md). First is the hybrid: Triton for every step except those with
+# a prompt chunk of 2,048 tokens or more, which go to flash-attn-4 (attention/hybrid.py). On the H200 on
+# 2026-12-04 it matched Triton on W-A (51.6k against 51.7k output tok/s) and beat it on W-L (2.03 s against
+# 2.21 s). That was measured with the earlier rule that sent every long step to flash-attn-4, which cost W-B
+# 10%; W-B's 512-token prompts now stay on Triton. Next is Triton alone: float32-capable, with greedy
+# bfloat16 tokens closest to transformers'. The earlier measurements of 2026-12-02 (W-B: triton 54.4k,
+# flash-attn-4 52.7k; W-A: 38.0k and 44.3k) put triton ahead of flash-attn-4 alone. flash-attn-4 is also
+# slower on decode batches and had outlier repetitions.
+CUDA_AUTO_ORDER = ("triton+flash-attn-4", "triton", "flash-attn-4", "flash-attn")
 
 
 def load_backend(name: str) -> type[AttentionBackend]:

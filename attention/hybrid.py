@@ -6,11 +6,15 @@ Both read the same paged KV layout and the same metadata. Each is the faster one
   628 us against Triton's 1,012 us for 8k chunks over cached context, and 510 against 730 us for two
   fresh 8k prompts (385-471 TFLOP/s against 239-329).
 
-The rule is per step, from shapes alone. A step with prefills and more than FLASH_MIN_TOKENS tokens goes
-to flash-attn-4, eagerly. Every other step goes to Triton. That includes decode-only steps and mixed
+The rule is per step, from the host's shapes alone. A step goes to flash-attn-4, eagerly, when it has more than
+FLASH_MIN_TOKENS tokens and a prompt chunk of at least FLASH_MIN_QUERY_LEN of them. Every other step goes to
+Triton. That includes decode-only steps and mixed
 steps of up to MAX_MIXED_GRAPH_TOKENS (engine/cuda_graphs.py), so CUDA graphs only ever capture the
 Triton path. Below that size a step's launches cost more than its kernels, and flash-attn-4's eager
-launch takes ~80 us of host time a layer.
+launch takes ~80 us of host time a layer. Short chunks stay on Triton too. On W-B (512-token prompts,
+16k-token steps), routing every long step to flash-attn-4 ran at 58.5k output tok/s, against Triton's 64.7k.
+On W-A the two tied at 51.6k and 51.7k. W-L's 8k prompts are where flash-attn-4 pays: 2.03 s against
+2.21 s.
 FLASH_MIN_TOKENS must be at least the engine's largest mixed graph (tests/test_attention_gpu.py).
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ from attention.flash_attn import FlashAttn4Backend, FlashAttn4Impl
 from attention.triton_paged import TritonAttentionBackend, TritonAttentionImpl
 
 FLASH_MIN_TOKENS = 1024
+FLASH_MIN_QUERY_LEN = 2048
 
 
 class HybridAttentionImpl(AttentionImpl):
@@ -31,7 +36,8 @@ class HybridAttentionImpl(AttentionImpl):
         self.prefill = FlashAttn4Impl(num_heads, head_dim, scale, num_kv_heads)
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
-        long_prefill = meta.num_prefills and query.shape[0] > FLASH_MIN_TOKENS
+        long_prefill = (meta.num_prefills and query.shape[0] > FLASH_MIN_TOKENS
+                        and meta.max_query_len >= FLASH_MIN_QUERY_LEN)
         impl = self.prefill if long_prefill else self.decode
         return impl.forward(query, key, value, key_cache, value_cache, meta)
 

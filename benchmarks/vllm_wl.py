@@ -51,6 +51,8 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--output-len", type=int, default=None,
                         help="output tokens per prompt (default: the preset's 256); 1 times the prefill alone")
+    parser.add_argument("--prefill-repeat", type=int, default=0,
+                        help="then time the same prompts with 1 output token this many times: the prefill alone")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     for key, value in ENV.items():
@@ -80,6 +82,14 @@ def main() -> int:
                "tokens_per_second": (w.input_tokens + produced) / t, "output_tokens_per_second": produced / t,
                "runs_s": runs, "max_model_len": max_model_len, "max_num_batched_tokens": args.max_num_batched_tokens}
     print(f"vLLM {w.name}: median {t:.2f} s, {summary['tokens_per_second']:,.0f} total tok/s", flush=True)
+    prefill_runs = []
+    for rep in range(args.prefill_repeat):
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+        start = time.perf_counter()
+        llm.generate(inputs, one, use_tqdm=False)
+        prefill_runs.append(time.perf_counter() - start)
+        print(f"vLLM {w.name} prefill alone (1 output token) run {rep + 1}: {prefill_runs[-1]:.3f} s", flush=True)
+    summary["prefill_only_runs_s"] = prefill_runs
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
     return 0

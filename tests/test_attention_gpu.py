@@ -216,7 +216,8 @@ def test_hybrid_sends_only_long_prefill_steps_to_flash_attn():
     impl = backend.impl_cls(14, 64, 64 ** -0.5, NUM_KV_HEADS)
     calls = []
     impl.prefill.forward = lambda *a: calls.append("flash") or impl.decode.forward(*a)
-    for lens, expected in (([(0, 600), (40, 1)], []), ([(0, 1500), (40, 1)], ["flash"]), ([(900, 1)] * 4, [])):
+    cases = (([(0, 600), (40, 1)], []), ([(0, 3000), (40, 1)], ["flash"]), ([(0, 1500)] * 2, []), ([(900, 1)] * 4, []))
+    for lens, expected in cases:
         calls.clear()
         batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, 16, torch.bfloat16, "cuda", seed=3)
         impl.forward(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta)
