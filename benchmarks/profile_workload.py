@@ -221,6 +221,31 @@ def plot_groups(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_categories(results: list[dict], path: Path) -> None:
+    """Per run and profiled window, one bar of device ms per step stacked by kernel category."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{label(r)}, steps {k['window'][0]}-{k['window'][1]} (batch {k['batch_at_start']})", k["categories"])
+            for r in results for k in r["kernels"] if "categories" in k]
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * len(bars)))
+    left = [0.0] * len(bars)
+    for c in cats:
+        widths = [b[1].get(c, 0.0) / 1e3 for b in bars]
+        ax.barh([b[0] for b in bars], widths, left=left, label=c)
+        left = [a + w for a, w in zip(left, widths)]
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:.1f} ms", va="center", fontsize=8)
+    ax.set_xlim(0, max(left) * 1.2)
+    ax.set_xlabel("device ms per step (torch.profiler)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="wa", help=f"comma-separated, of {sorted(WORKLOADS)}; the engine takes the "
@@ -233,11 +258,15 @@ def main() -> int:
                    help="comma-separated keys per split-KV range in triton's decode-only batches, one engine "
                         "each (a huge value: no split); default: the kernel's")
     p.add_argument("--out", type=Path)
-    p.add_argument("--plot", type=Path, help="a PNG of the step groups per run")
-    p.add_argument("--replot", type=Path, help="only plot an earlier --out file (no GPU needed)")
+    p.add_argument("--plot", type=Path, help="a PNG of the step groups per run, and beside it (NAME_kernels.png) "
+                   "one of each profiled window's kernels by category")
+    p.add_argument("--replot", type=Path, nargs="+",
+                   help="only plot earlier --out files, their runs together (no GPU needed)")
     args = p.parse_args()
     if args.replot:
-        plot_groups(json.loads(args.replot.read_text())["results"], args.plot)
+        results = [r for f in args.replot for r in json.loads(f.read_text())["results"]]
+        plot_groups(results, args.plot)
+        plot_categories(results, args.plot.with_name(args.plot.stem + "_kernels.png"))
         return 0
     workloads = {name: WORKLOADS[name]() for name in args.preset.split(",")}
     for w in workloads.values():
@@ -257,6 +286,7 @@ def main() -> int:
     print_summary(results)
     if args.plot:
         plot_groups(results, args.plot)
+        plot_categories(results, args.plot.with_name(args.plot.stem + "_kernels.png"))
     return 0
 
 
