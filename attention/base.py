@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 PAD_SLOT_ID = -1  # slot_mapping entry of a padding token: its K/V are not written
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -85,6 +86,12 @@ class AttentionBackend:
         if head_dim not in cls.supported_head_sizes:
             raise ValueError(f"attention backend {cls.name!r} supports head sizes {cls.supported_head_sizes}, "
                              f"not {head_dim}")
+
+    @classmethod
+    def preferred_block_size(cls, head_dim: int, device: torch.device) -> int:
+        """The KV block size the engine uses when none is set: 16 (vLLM's), unless a backend's kernels load
+        whole pages faster at another size."""
+        return DEFAULT_BLOCK_SIZE
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

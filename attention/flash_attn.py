@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from attention.base import DEFAULT_BLOCK_SIZE, AttentionBackend, AttentionImpl, AttentionMetadata
 
 
 def _write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -57,6 +57,10 @@ class FlashAttnBackend(AttentionBackend):
     supports_cuda_graphs = False  # the prefill call takes host ints; decode-only would be fine, unverified
 
     @classmethod
+    def preferred_block_size(cls, head_dim: int, device: torch.device) -> int:
+        return 256  # the only page sizes upstream 2.x takes (check_config)
+
+    @classmethod
     def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:
         super().check_config(head_dim, block_size, device)
         _check_cuda(cls.name, device)
@@ -84,6 +88,16 @@ class FlashAttn4Impl(AttentionImpl):
         return out  # [num_tokens, num_heads, head_dim]
 
 
+def flash_attn_4_block_size(head_dim: int, device: torch.device) -> int:
+    """128 on Hopper for head dims up to 128: flash-attn-4's SM90 forward walks keys in tiles of 128 there and
+    loads a page by TMA only when the page is exactly one tile; any other page size takes its cp.async gather
+    path (flash_attn/cute/interface.py, paged_kv_non_tma). On the H200, one layer of two fresh 8k prompts took
+    510 us through 16-token pages against 445 us over the same K/V unpaged (docs/benchmarks.md, W-L)."""
+    if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and head_dim <= 128:
+        return 128
+    return DEFAULT_BLOCK_SIZE
+
+
 class FlashAttn4Backend(AttentionBackend):
     name = "flash-attn-4"
     impl_cls = FlashAttn4Impl
@@ -91,6 +105,10 @@ class FlashAttn4Backend(AttentionBackend):
     # Captured and replayed with new metadata on the H200 (tests/test_attention_gpu.py's graph test):
     # nothing is read on the host, and its one host int, max_query_len, is 1 in every decode graph.
     supports_cuda_graphs = True
+
+    @classmethod
+    def preferred_block_size(cls, head_dim: int, device: torch.device) -> int:
+        return flash_attn_4_block_size(head_dim, device)
 
     @classmethod
     def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
-from attention.flash_attn import FlashAttn4Backend, FlashAttn4Impl
+from attention.flash_attn import FlashAttn4Backend, FlashAttn4Impl, flash_attn_4_block_size
 from attention.triton_paged import TritonAttentionBackend, TritonAttentionImpl
 
 FLASH_MIN_TOKENS = 1024
@@ -48,6 +48,12 @@ class HybridAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True  # graphs capture decode-only and short mixed steps: the Triton path
     supports_mixed_cuda_graphs = True
     supported_dtypes = FlashAttn4Backend.supported_dtypes
+
+    @classmethod
+    def preferred_block_size(cls, head_dim: int, device: torch.device) -> int:
+        # flash-attn-4's page size for its TMA loads. Triton's decode kernel reads a 128-token page in two
+        # contiguous 64-key tiles.
+        return flash_attn_4_block_size(head_dim, device)
 
     @classmethod
     def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:

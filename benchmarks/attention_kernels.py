@@ -151,30 +151,31 @@ def kv_bytes(batch, heads: tuple[int, int, int]) -> int:
     return int(batch.meta.seq_lens.sum()) * num_kv_heads * head_dim * 2 * batch.key_cache.element_size()
 
 
-def run(iters: int, only: str | None = None) -> list[dict]:
+def run(iters: int, only: str | None = None, block_size: int = 16, backends: list[str] | None = None,
+        with_variants: bool = True) -> list[dict]:
     rows = []
     for shape_name, heads in SHAPES.items():
         for work_name, lens in workloads(random.Random(0)).items():
             if only and only not in f"{shape_name} {work_name}":
                 continue
-            batch = make_random_batch(lens, *heads, 16, torch.bfloat16, "cuda", seed=1)
+            batch = make_random_batch(lens, *heads, block_size, torch.bfloat16, "cuda", seed=1)
             layers = _layers(batch)
             del batch.full_keys[:], batch.full_values[:]  # free what only the tests need
-            for name in BACKEND_NAMES:
+            for name in backends or BACKEND_NAMES:
                 try:
-                    backend = get_backend(name, torch.device("cuda"), heads[2], 16)
+                    backend = get_backend(name, torch.device("cuda"), heads[2], block_size)
                 except ValueError as e:
                     rows.append({"shape": shape_name, "workload": work_name, "backend": name, "skipped": str(e)})
                     continue
                 variants = [(name, lambda: bench_backend(backend, batch, layers, heads, iters))]
-                if name == "triton":
+                if name == "triton" and with_variants:
                     variants += [(label, functools.partial(bench_triton_variant, batch, layers, heads, iters, **opts))
                                  for label, opts in TRITON_VARIANTS.items()
                                  if work_name.startswith("decode") or opts.get("num_splits")]
                     if not work_name.startswith("decode"):
                         variants += [(f"triton (tiles {t})", functools.partial(
                             bench_triton_variant, batch, layers, heads, iters, tiles=t)) for t in TRITON_PREFILL_TILES]
-                if name in ("triton", "flash-attn-4") and work_name.startswith("prefill"):
+                if name in ("triton", "flash-attn-4") and work_name.startswith("prefill") and with_variants:
                     kernel = "torch" if name == "triton" else name  # torch's varlen rides along once
                     variants.append((f"{kernel} varlen (dense K/V, no pages)",
                                      functools.partial(bench_dense_prefill, batch, heads, iters, kernel)))
@@ -185,7 +186,8 @@ def run(iters: int, only: str | None = None) -> list[dict]:
                         result = {"skipped": f"{type(e).__name__}: {e}"[:200]}
                     if result is None:
                         continue
-                    row = {"shape": shape_name, "workload": work_name, "backend": label, **result}
+                    row = {"shape": shape_name, "workload": work_name, "backend": label, "block_size": block_size,
+                           **result}
                     if "skipped" in row:
                         rows.append(row)
                         print(_format_row(row), flush=True)
@@ -205,7 +207,8 @@ def _format_row(row: dict) -> str:
     graph = f"{row['graph_us']:.1f}" if row["graph_us"] is not None else "n/a"
     gbs = f"{row['gb_per_s']:.0f}" if row["gb_per_s"] is not None else ""
     tflops = f"{row['tflop_per_s']:.0f}" if row.get("tflop_per_s") is not None else ""
-    return (f"| {row['shape']} | {row['workload']} | {row['backend']} | {row['eager_us']:.1f} | {graph} | {gbs} "
+    block = f" (block {row['block_size']})" if row.get("block_size", 16) != 16 else ""
+    return (f"| {row['shape']} | {row['workload']} | {row['backend']}{block} | {row['eager_us']:.1f} | {graph} | {gbs} "
             f"| {tflops} |")
 
 
@@ -214,6 +217,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--only", help="run the shape/workload pairs whose names contain this text")
+    parser.add_argument("--block-size", default="16", help="KV block sizes, comma-separated: each a full run")
+    parser.add_argument("--backends", help="comma-separated backend names (default: every registered one)")
+    parser.add_argument("--no-variants", action="store_true", help="backends as shipped only, no Triton variants")
     args = parser.parse_args()
     env = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__}
@@ -222,7 +228,9 @@ def main() -> None:
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    rows = run(args.iters, args.only)
+    backends = args.backends.split(",") if args.backends else None
+    rows = [row for bs in args.block_size.split(",")
+            for row in run(args.iters, args.only, int(bs), backends, not args.no_variants)]
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print(f"\n{env}\n| shape | workload | backend | eager us/call | graph us/call | KV GB/s | TFLOP/s |\n"

@@ -20,7 +20,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     device: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # None: the attention backend's preferred size (16; 128 with flash-attn-4 on Hopper)
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_bytes (CPU) or gpu_memory_utilization
     kv_cache_memory_bytes: int = 1 << 30  # CPU budget for the KV pool
     gpu_memory_utilization: float = 0.90
@@ -51,7 +51,7 @@ class EngineConfig:
         need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         need(self.attention_backend in BACKENDS,
              f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+        need(self.block_size is None or self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"block_size must be a power of two, got {self.block_size}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")

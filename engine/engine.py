@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import explain_backend_choice
+from attention import explain_backend_choice, load_backend
+from attention.base import DEFAULT_BLOCK_SIZE
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
@@ -24,6 +25,18 @@ logger = logging.getLogger(__name__)
 
 CUDA_GRAPH_RESERVE = 512 << 20  # bytes kept back for captured graphs' private memory pool
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def choose_backend(config: EngineConfig, device: torch.device, head_dim: int, dtype: torch.dtype):
+    """(attention backend, why it was chosen, KV block size). An unset block size is the backend's preferred
+    one (AttentionBackend.preferred_block_size); "auto" chooses its backend at 16 first."""
+    name, block_size = config.attention_backend, config.block_size
+    trial = block_size or (DEFAULT_BLOCK_SIZE if name == "auto" else
+                           load_backend(name).preferred_block_size(head_dim, device))
+    backend, reason = explain_backend_choice(name, device, head_dim, trial, dtype)
+    block_size = block_size or backend.preferred_block_size(head_dim, device)
+    backend.check_config(head_dim, block_size, device)
+    return backend, reason, block_size
 
 
 @dataclass
@@ -104,16 +117,15 @@ class LLMEngine:
                                  self.hf_config.max_position_embeddings)
         head_dim = getattr(self.hf_config, "head_dim", None) or (
             self.hf_config.hidden_size // self.hf_config.num_attention_heads)
-        self.backend, self.backend_reason = explain_backend_choice(config.attention_backend, self.device, head_dim,
-                                                                   config.block_size, self.dtype)
+        self.backend, self.backend_reason, self.block_size = choose_backend(config, self.device, head_dim, self.dtype)
         self.backend_name = self.backend.name
         model = load_model(path, self.hf_config, self.dtype, self.device, self.backend,
                            pack_for_cpu=config.cpu_packed_weights)
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_from_memory(model)
         self.runner = ModelRunner(model, self.hf_config, self.backend, self.device, self.dtype,
-                                  self.num_kv_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
+                                  self.num_kv_blocks, self.block_size, config.max_num_seqs, self.max_model_len,
                                   config.max_num_batched_tokens, use_cuda_graphs=not config.enforce_eager)
-        self.scheduler = Scheduler(self.num_kv_blocks, config.block_size, config.max_num_seqs,
+        self.scheduler = Scheduler(self.num_kv_blocks, self.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len, config.enable_prefix_caching)
         self._completions: dict[str, _Completion] = {}  # child request id -> its state
         self._children: dict[str, list[str]] = {}  # caller's request id -> child ids
@@ -133,11 +145,11 @@ class LLMEngine:
         self._log_start()
 
     def _num_blocks_from_memory(self, model) -> int:
-        per_block = kv_bytes_per_block(self.hf_config, self.config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.hf_config, self.block_size, self.dtype)
         if self.device.type != "cuda":
             return max(2, self.config.kv_cache_memory_bytes // per_block)
         c = self.config
-        peak = profile_step_peak_bytes(model, self.hf_config, self.backend, self.device, self.dtype, c.block_size,
+        peak = profile_step_peak_bytes(model, self.hf_config, self.backend, self.device, self.dtype, self.block_size,
                                        c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         free, total = torch.cuda.mem_get_info(self.device)
         # What the process and others already use, plus a maximal step's peak, plus room for CUDA graphs.
@@ -151,7 +163,7 @@ class LLMEngine:
         logger.info("kvserve engine: device=%s dtype=%s attention=%s (%s)", self.device, str(self.dtype)[6:],
                     self.backend_name, self.backend_reason)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens of concurrency; max_model_len=%d",
-                    self.num_kv_blocks, c.block_size, self.num_kv_blocks * c.block_size, self.max_model_len)
+                    self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size, self.max_model_len)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

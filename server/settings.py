@@ -120,7 +120,8 @@ ENGINE_HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": f"weights and activations dtype {DTYPES}; auto = bfloat16 on GPU, float32 on CPU",
     "device": f"device {DEVICES}; auto = cuda when available",
-    "block_size": "tokens per KV-cache block (a power of two)",
+    "block_size": "tokens per KV-cache block (a power of two); default: the attention backend's, 16, or 128 "
+                  "with flash-attn-4 on Hopper (its pages then load by TMA)",
     "num_kv_blocks": "KV-cache blocks; default: sized from kv_cache_memory_bytes (CPU) or gpu_memory_utilization",
     "kv_cache_memory_bytes": "bytes of KV cache on CPU when num_kv_blocks is not set",
     "gpu_memory_utilization": "fraction of GPU memory kvserve may use (weights + KV cache + activations)",

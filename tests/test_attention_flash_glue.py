@@ -78,3 +78,27 @@ def test_flash_backends_pass_the_right_slices(monkeypatch, impl_cls, lens):
                                              batch.value_cache, batch.meta)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(batch.key_cache, ref_caches[0]) and torch.equal(batch.value_cache, ref_caches[1])
+
+
+@pytest.mark.parametrize("capability, head_dim, expected", [((9, 0), 64, 128), ((9, 0), 128, 128), ((9, 0), 256, 16),
+                                                            ((8, 0), 64, 16), ((10, 0), 64, 16)])
+def test_flash_attn_4_prefers_pages_of_one_key_tile_on_hopper(monkeypatch, capability, head_dim, expected):
+    """Unset, the block size follows the backend: flash-attn-4 (alone or in the hybrid) loads pages by TMA on
+    Hopper only when a page is its 128-key tile; the other backends keep 16."""
+    from attention.base import AttentionBackend
+    from attention.flash_attn import FlashAttn4Backend
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert FlashAttn4Backend.preferred_block_size(head_dim, torch.device("cuda")) == expected
+    assert FlashAttn4Backend.preferred_block_size(head_dim, torch.device("cpu")) == 16
+    assert AttentionBackend.preferred_block_size(head_dim, torch.device("cuda")) == 16
+
+
+def test_engine_takes_the_backends_block_size_unless_one_is_set(tiny_model_dir):
+    from engine.llm import LLM
+
+    auto = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=16, max_model_len=128)
+    assert auto.engine.config.block_size is None and auto.engine.block_size == 16  # torch on the CPU
+    assert auto.engine.scheduler.block_size == 16
+    chosen = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=16, max_model_len=128, block_size=32)
+    assert chosen.engine.block_size == 32 and chosen.engine.scheduler.block_size == 32

@@ -156,7 +156,7 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec, lifeline_fd: int):
     freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
     ready = Ready(str(engine.model_path), engine.tokenizer_path, engine.vocab_size, engine.max_model_len,
                   str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine),
-                  spec.engine_config.block_size,
+                  engine.block_size,
                   engine.config.grammar_max_size, engine.config.grammar_compile_fuel)
     if not _announce(outboxes, codec.encode(ready), lifeline_fd):
         raise SystemExit(1)
