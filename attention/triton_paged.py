@@ -122,7 +122,10 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, start, kv_hi, q_pos, 
     return m_new, l_i, acc
 
 
-@triton.jit
+# num_seqs is not specialized. Otherwise Triton compiles a new variant, mid-serving, the first time an eager
+# step has 1 sequence or a multiple of 16. That is a suspect, not confirmed, for W-C's TTFT p99 at 40 req/s
+# (715 ms against vLLM's 83).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, qk_scale,
