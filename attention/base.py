@@ -15,9 +15,20 @@ context_len (tokens already in the cache), query_len (new tokens now), seq_len =
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
+
+class GraphSupport(enum.Enum):
+    """Which steps a backend's forward can be captured in a CUDA graph for, and replayed with new metadata:
+    it must read nothing on the host. DECODE: decode-only steps. MIXED: also steps with prefills, in the
+    mixed graphs' layout (attention.metadata: every sequence a prefill, empty padded sequences)."""
+
+    NEVER = "never"
+    DECODE = "decode"
+    MIXED = "mixed"
+
 
 PAD_SLOT_ID = -1  # slot_mapping entry of a padding token: its K/V are not written
 DEFAULT_BLOCK_SIZE = 16
@@ -73,11 +84,7 @@ class AttentionBackend:
     name: str = ""
     impl_cls: type[AttentionImpl] = AttentionImpl
     supported_head_sizes: tuple[int, ...] = (32, 64, 96, 128, 160, 192, 224, 256)
-    # Whether a step's metadata can be baked into a CUDA graph (no host-side reads of its tensors).
-    supports_cuda_graphs: bool = False
-    # Whether steps with prefills can be captured too: the Impl must run the general layout of a mixed
-    # graph (attention.metadata: every sequence a prefill, empty padded sequences) with nothing read on the host.
-    supports_mixed_cuda_graphs: bool = False
+    graph_support: GraphSupport = GraphSupport.NEVER
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
     @classmethod

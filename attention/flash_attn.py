@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import DEFAULT_BLOCK_SIZE, AttentionBackend, AttentionImpl, AttentionMetadata
+from attention.base import DEFAULT_BLOCK_SIZE, AttentionBackend, AttentionImpl, AttentionMetadata, GraphSupport
 
 
 def _write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -54,7 +54,7 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash-attn"
     impl_cls = FlashAttnImpl
     supported_dtypes = (torch.bfloat16, torch.float16)
-    supports_cuda_graphs = False  # the prefill call takes host ints; decode-only would be fine, unverified
+    graph_support = GraphSupport.NEVER  # the prefill call takes host ints; decode-only would be fine, unverified
 
     @classmethod
     def preferred_block_size(cls, head_dim: int, device: torch.device) -> int:
@@ -104,7 +104,7 @@ class FlashAttn4Backend(AttentionBackend):
     supported_dtypes = (torch.bfloat16, torch.float16)  # its kernels have no float32 path
     # Captured and replayed with new metadata on the H200 (tests/test_attention_gpu.py's graph test):
     # nothing is read on the host, and its one host int, max_query_len, is 1 in every decode graph.
-    supports_cuda_graphs = True
+    graph_support = GraphSupport.DECODE
 
     @classmethod
     def preferred_block_size(cls, head_dim: int, device: torch.device) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata, GraphSupport
 from attention.flash_attn import FlashAttn4Backend, FlashAttn4Impl, flash_attn_4_block_size
 from attention.triton_paged import TritonAttentionBackend, TritonAttentionImpl
 
@@ -45,8 +45,7 @@ class HybridAttentionImpl(AttentionImpl):
 class HybridAttentionBackend(AttentionBackend):
     name = "triton+flash-attn-4"
     impl_cls = HybridAttentionImpl
-    supports_cuda_graphs = True  # graphs capture decode-only and short mixed steps: the Triton path
-    supports_mixed_cuda_graphs = True
+    graph_support = GraphSupport.MIXED  # graphs capture decode-only and short mixed steps: the Triton path
     supported_dtypes = FlashAttn4Backend.supported_dtypes
 
     @classmethod

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attention.base import PAD_SLOT_ID, AttentionBackend, AttentionImpl, AttentionMetadata
+from attention.base import PAD_SLOT_ID, AttentionBackend, AttentionImpl, AttentionMetadata, GraphSupport
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -104,7 +104,7 @@ class TorchAttentionImpl(AttentionImpl):
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     impl_cls = TorchAttentionImpl
-    supports_cuda_graphs = False  # reads lengths on the host every call
+    graph_support = GraphSupport.NEVER  # reads lengths on the host every call
 
     @classmethod
     def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata
+from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata, GraphSupport
 
 _LOG2E = 1.4426950408889634
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
@@ -355,8 +355,7 @@ class TritonAttentionImpl(AttentionImpl):
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     impl_cls = TritonAttentionImpl
-    supports_cuda_graphs = True
-    supports_mixed_cuda_graphs = True  # grids depend on shapes only; an empty sequence's programs exit at once
+    graph_support = GraphSupport.MIXED  # grids depend on shapes only; an empty sequence's programs exit at once
 
     @classmethod
     def check_config(cls, head_dim: int, block_size: int, device: torch.device) -> None:

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 def main(backend_name: str, dtype: str = "auto") -> int:
     from attention import load_backend
+    from attention.base import GraphSupport
     from engine import LLM, SamplingParams
 
     config = Qwen2Config(hidden_size=896, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=14,
@@ -26,7 +27,7 @@ def main(backend_name: str, dtype: str = "auto") -> int:
     results = {}
     backend = load_backend(backend_name)
     for graphs in (False, True):
-        backend.supports_cuda_graphs = backend.supports_mixed_cuda_graphs = graphs
+        backend.graph_support = GraphSupport.MIXED if graphs else GraphSupport.NEVER
         llm = LLM(model=model_dir, attention_backend=backend_name, skip_tokenizer_init=True, max_model_len=2048, dtype=dtype,
                   max_num_seqs=32, max_num_batched_tokens=256, enforce_eager=not graphs)
         for kind in ("decode_graphs", "mixed_graphs"):  # no local reference: the next engine needs the memory

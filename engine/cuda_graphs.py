@@ -4,7 +4,7 @@
 - mixed graphs: up to max_num_seqs sequences of any kind (prefill chunks and decodes) in T tokens, padded
   to T tokens and max_num_seqs + 1 sequences: one padding prompt, then empty sequences (attention.metadata).
   Every sequence takes the kernel's general path, so one graph serves any make-up of the batch. Only for
-  backends that declare `supports_mixed_cuda_graphs`.
+  backends whose graph_support is GraphSupport.MIXED.
 
 A step of a small model is dominated by host work: 24 layers x ~10 kernels launched one by one, plus
 one small copy per input tensor. Here a step costs the host two copies and one replay:

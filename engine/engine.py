@@ -159,7 +159,6 @@ class LLMEngine:
         return max(2, int(budget // per_block))
 
     def _log_start(self) -> None:
-        c = self.config
         logger.info("kvserve engine: device=%s dtype=%s attention=%s (%s)", self.device, str(self.dtype)[6:],
                     self.backend_name, self.backend_reason)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens of concurrency; max_model_len=%d",

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attention.base import GraphSupport
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
 from engine.malloc import trim_free_memory
@@ -195,10 +196,10 @@ class ModelRunner:
         self.decode_graphs: CudaGraphSteps | None = None
         self.mixed_graphs: CudaGraphSteps | None = None
         self._last = StepHandle([], [], None, None, None, None)  # the step launched most recently
-        if use_cuda_graphs and device.type == "cuda" and backend.supports_cuda_graphs:
+        if use_cuda_graphs and device.type == "cuda" and backend.graph_support is not GraphSupport.NEVER:
             self.decode_graphs = self.make_graphs(max_num_seqs, max_model_len, None, capture=True)
             pool = self.decode_graphs.capture()
-            if backend.supports_mixed_cuda_graphs:
+            if backend.graph_support is GraphSupport.MIXED:
                 self.mixed_graphs = self.make_graphs(max_num_seqs, max_model_len, max_num_batched_tokens,
                                                      capture=True)
                 self.mixed_graphs.capture(pool)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention import get_backend
-from attention.base import PAD_SLOT_ID
+from attention.base import PAD_SLOT_ID, GraphSupport
 from attention.testing import make_random_batch, random_mixed_lens
 from attention.torch_ref import TorchAttentionImpl
 
@@ -147,7 +147,7 @@ def test_triton_kv_write_matches_index_copy():
 def test_cuda_graph_replay_with_new_metadata(name):
     """Backends that claim CUDA-graph support: capture one padded decode batch, replay another."""
     backend = _backend_or_skip(name, 64, 16)
-    if not backend.supports_cuda_graphs:
+    if backend.graph_support is GraphSupport.NEVER:
         pytest.skip(f"{name} does not claim CUDA-graph support")
     group, head_dim = 7, 64
 
@@ -194,7 +194,7 @@ def test_mixed_cuda_graph_replay_with_another_batch_make_up(name):
     layout, replay it with metadata of another batch (other prefill/decode counts, lengths, padding)."""
     group, head_dim = 7, 64
     backend = _backend_or_skip(name, head_dim, 16)
-    if not backend.supports_mixed_cuda_graphs:
+    if backend.graph_support is not GraphSupport.MIXED:
         pytest.skip(f"{name} does not claim mixed CUDA-graph support")
     static = _mixed_graph_batch(1, [(0, 30), (100, 20), (5, 1), (900, 1), (17, 1)], group, head_dim)
     fresh = _mixed_graph_batch(2, [(2000, 40), (0, 7), (300, 12), (0, 2), (64, 1), (1500, 1), (1, 1), (31, 1),
