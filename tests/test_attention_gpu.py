@@ -224,13 +224,15 @@ def test_hybrid_sends_only_long_prefill_steps_to_flash_attn():
         assert calls == expected, lens
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("name", ["triton", "flash-attn-4", "triton+flash-attn-4"])
-def test_long_prefill_chunks_match_reference(name):
+def test_long_prefill_chunks_match_reference(name, block_size):
     """W-L's step shapes: an 8k prompt's chunk over cached context, a fresh 4k prompt, decodes over ~8k keys,
-    blocks scattered over the pool (issue 19: unmasked tiles, longest query blocks first, hybrid routing)."""
-    backend = _backend_or_skip(name, 64, 16)
+    blocks scattered over the pool (issue 19: unmasked tiles, longest query blocks first, hybrid routing), in
+    16-token pages and in 128-token ones (flash-attn-4's TMA path on Hopper)."""
+    backend = _backend_or_skip(name, 64, block_size)
     lens = [(5000, 3192), (0, 4100), (0, 77)] + [(8000 + 37 * i, 1) for i in range(6)]
-    batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, 16, torch.bfloat16, "cuda", seed=19)
+    batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, block_size, torch.bfloat16, "cuda", seed=19)
     out, ref, caches, ref_caches = _run_both(backend, batch, 7, 64)
     assert _rel_err(out, ref) < 1e-2
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
