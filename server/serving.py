@@ -359,11 +359,15 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
             state["cached"][out.request_id] = out.num_cached_tokens
             lps = chat_logprobs(ctx, out.new_logprobs) if req.logprobs and out.new_logprobs else None
             if out.new_text or out.new_token_ids or out.finished:
-                delta, called = replies[out.index].delta(out.new_text, out.finished)
+                reply = replies[out.index]
+                deltas = reply.deltas(out.new_text, out.finished) or [{}]
                 finish = out.finish_reason.value if out.finished else None
-                yield chunk([{"index": out.index, "delta": delta, "logprobs": lps,
-                              "finish_reason": "tool_calls" if called and finish == "stop" else finish,
-                              "stop_reason": out.stop_reason}])
+                finish = "tool_calls" if reply.called and finish == "stop" else finish
+                for i, delta in enumerate(deltas):  # logprobs on the first, the finish on the last
+                    last = i == len(deltas) - 1
+                    yield chunk([{"index": out.index, "delta": delta, "logprobs": None if i else lps,
+                                  "finish_reason": finish if last else None,
+                                  "stop_reason": out.stop_reason if last else None}])
 
     return chunk.events(chunks())
 

@@ -3,6 +3,7 @@ tool calls through a Qwen-style template, tool_choice required / named from a ra
 calls valid), and the openai client's tool loop against the real server."""
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -10,20 +11,34 @@ import httpx
 import jsonschema
 import pytest
 
-from server.tool_parsers import (HermesParser, Llama3JsonParser, MistralParser, ReasoningParser, StreamingReasoning,
-                                 StreamingToolParser)
+from server.reasoning import ReasoningParser, StreamingReasoning
+from server.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, NamedParser, RequiredParser
+from server.tools import piece_delta
 from server_utils import ServerThread
 
-CANNED = {
-    HermesParser: ['Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-                   '\n<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>',
-                   "No tools needed: 3 < 4 and <tool is not a tag."],
-    Llama3JsonParser: ['<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
-                       '{"name": "get_time", "parameters": {}}',
-                       '{"name": "search", "parameters": {"q": "a;b {c}"}}', "Plain {answer} text."],
-    MistralParser: ['Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]',
-                    "[TOOL_CALLS is not complete here"],
-}
+# (parser, text, the calls' names: what the whole-text parse must find)
+CANNED = [
+    (HermesParser(), 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                     '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>',
+     ["get_weather", "get_time"]),
+    (HermesParser(), '<tool_call>{"arguments": {"q": "a \\"} </tool_call> [", "n": [1, {"x": null}]}, '
+                     '"name": "search"}</tool_call>\nDone.', ["search"]),
+    (HermesParser(), '<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"\u00e9\\"}"}</tool_call>', ["f"]),
+    (HermesParser(), "No tools needed: 3 < 4 and <tool is not a tag.", []),
+    (HermesParser(), '<tool_call>{"arguments": {}}</tool_call> has no name', []),
+    (Llama3JsonParser(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                         '{"name": "get_time", "parameters": {}}', ["get_weather", "get_time"]),
+    (Llama3JsonParser(), '{"name": "search", "parameters": {"q": "a;b {c}", "k": 10}}', ["search"]),
+    (Llama3JsonParser(), "Plain {answer} text.", []),
+    (Llama3JsonParser(), '{"answer": 42}', []),
+    (MistralParser(), 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}, '
+                      '{"name": "get_time", "arguments": {"tz": "UTC"}}]', ["get_weather", "get_time"]),
+    (MistralParser(), '[TOOL_CALLS]{"name": "ping", "arguments": {}}', ["ping"]),
+    (MistralParser(), "[TOOL_CALLS is not complete here", []),
+    (RequiredParser(), '[{"name": "get_time", "parameters": {"tz": "CET"}}, {"name": "get_weather", '
+                       '"parameters": {"city": "Nice", "days": 1}}]', ["get_time", "get_weather"]),
+    (NamedParser("get_weather"), '{"city": "Lyon", "days": 2}', ["get_weather"]),
+]
 
 
 def chunkings(text: str, tokenizer) -> list[list[str]]:
@@ -37,21 +52,79 @@ def chunkings(text: str, tokenizer) -> list[list[str]]:
     return out
 
 
-def streamed(parser, pieces: list[str]):
-    s = StreamingToolParser(parser)
-    content = "".join(s.feed(p) for p in pieces)
-    rest, calls = s.finish()
-    return content + rest, [(c.name, json.loads(c.arguments)) for c in calls]
+def counter_ids():
+    count = itertools.count()
+    return lambda: f"call_{next(count)}"
 
 
-@pytest.mark.parametrize("parser_cls, text", [(p, t) for p, texts in CANNED.items() for t in texts])
-def test_parsers_agree_in_every_chunking(parser_cls, text, smollm2_tokenizer):
-    content, calls = parser_cls().parse(text)
-    whole = (content, [(c.name, json.loads(c.arguments)) for c in calls])
-    assert bool(calls) == ("get_" in text or "search" in text)
+def stream_deltas(parser, pieces: list[str]) -> list[dict]:
+    """The OpenAI deltas a stream sends for these text pieces, in order."""
+    s = parser.stream(counter_ids())
+    out = [piece_delta(p) for text in pieces for p in s.feed(text)]
+    return out + [piece_delta(p) for p in s.finish()]
+
+
+def reassemble(deltas: list[dict]) -> tuple[str, list[dict], dict[int, int]]:
+    """(content, calls, argument pieces per call) as a client accumulates them, checking OpenAI's shape: a
+    call's first delta has index, id, type, name and empty arguments; later ones only arguments."""
+    content, calls, pieces = "", {}, {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for tc in delta.get("tool_calls", []):
+            i = tc["index"]
+            if i not in calls:
+                assert set(tc) == {"index", "id", "type", "function"} and tc["type"] == "function", tc
+                assert tc["id"] and tc["function"]["name"] and tc["function"]["arguments"] == "", tc
+                calls[i] = {"id": tc["id"], "name": tc["function"]["name"], "arguments": ""}
+                pieces[i] = 0
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}, tc
+                calls[i]["arguments"] += tc["function"]["arguments"]
+                pieces[i] += 1
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], pieces
+
+
+@pytest.mark.parametrize("parser, text, names", CANNED, ids=[f"{type(p).__name__}-{i}" for i, (p, *_) in
+                                                            enumerate(CANNED)])
+def test_streamed_calls_reassemble_to_the_whole_parse(parser, text, names, smollm2_tokenizer):
+    content, calls = parser.parse(text, counter_ids())
+    assert [c.name for c in calls] == names
+    want = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+    for c in calls:
+        json.loads(c.arguments)  # every canned call has JSON arguments
+    streaming = [i for i, c in enumerate(calls) if len(c.arguments) > 2 and text.find(c.name) < text.find(c.arguments)]
     for pieces in chunkings(text, smollm2_tokenizer):
         assert "".join(pieces) == text
-        assert streamed(parser_cls(), pieces) == whole, pieces
+        got_content, got, arg_pieces = reassemble(stream_deltas(parser, pieces))
+        assert (got_content, got) == (content, want), pieces
+        assert [json.loads(c["arguments"]) for c in got] == [json.loads(c["arguments"]) for c in want]
+        if len(pieces) == len(text):  # a character at a time: arguments written after the name come in pieces
+            assert all(arg_pieces[i] > 1 for i in streaming), (arg_pieces, streaming)
+
+
+def test_nothing_is_sent_before_it_is_certain():
+    """Fed a character at a time, a call starts once its name has closed (before its arguments end), and no
+    piece of a closing tag or marker goes out as content or arguments."""
+    text = 'Hi <tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+    s = HermesParser().stream(counter_ids())
+    sent = []
+    for n, ch in enumerate(text, 1):
+        sent += [(n, piece_delta(p)) for p in s.feed(ch)]
+    starts = [n for n, d in sent if "id" in d.get("tool_calls", [{}])[0]]
+    assert starts == [text.index('"get_time"') + len('"get_time"')]
+    assert "".join(d.get("content", "") for _, d in sent) == "Hi "
+    args = "".join(d["tool_calls"][0]["function"]["arguments"] for _, d in sent if "tool_calls" in d)
+    assert args == '{"tz": "CET"}' and s.finish() == []
+
+
+def test_a_cut_off_call_keeps_what_was_sent():
+    """max_tokens can end a call midway: the stream and the whole parse both keep the call with the argument
+    text so far (OpenAI's own `arguments` are cut the same way; finish_reason stays `length`)."""
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    content, calls = HermesParser().parse(text)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
+    assert HermesParser().parse('<tool_call>{"nam') == ('<tool_call>{"nam', [])
 
 
 @pytest.mark.parametrize("text", ["<think>step 1, then 2</think>\n\nThe answer is 4.", "No thinking here.",
@@ -164,7 +237,9 @@ def streamed_calls(server, body: dict):
     with httpx.stream("POST", server.url("/v1/chat/completions"), timeout=120, json={
             "model": "tiny", "max_tokens": 120, "chat_template": QWEN_STYLE, "stream": True, **body}) as resp:
         events = [e for e in sse_events(resp) if e != "[DONE]" and e["choices"]]
-    calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    _, calls, _ = reassemble([e["choices"][0]["delta"] for e in events])
+    calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+             for c in calls]
     return calls, events[-1]["choices"][0]["finish_reason"]
 
 
@@ -187,6 +262,48 @@ def test_openai_tool_loop(server):
     second = client.chat.completions.create(model="tiny", messages=messages, tools=[TIME], max_tokens=8,
                                             tool_choice="none", extra_body=extra)
     assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason in ("stop", "length")
+
+
+def openai_stream(server, **body):
+    """The official client's streamed chunks, accumulated as its users do: (content, calls by index, finish)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model="tiny", stream=True, max_tokens=120, **body):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": "", "deltas": 0})
+            call["arguments"] += tc.function.arguments or ""
+            call["deltas"] += 1
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_openai_client_accumulates_streamed_calls(server):
+    """Streamed through the real server, the official client's chunks accumulate into valid calls: a named
+    tool_choice (the grammar forces the arguments), and `auto` read by the hermes parser from a reply that a
+    regex forces into `<tool_call>` form (a random model writes no calls of its own)."""
+    messages = [{"role": "user", "content": "Time in Berlin?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    _, calls, finish = openai_stream(server, messages=messages, tools=[WEATHER, TIME], tool_choice=forced,
+                                     temperature=1.0, seed=3, extra_body={"chat_template": QWEN_STYLE})
+    assert finish == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "get_weather"
+    assert calls[0]["id"].startswith("call_") and calls[0]["deltas"] > 2
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+    regex = (r'Checking\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
+             r'\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", "days": [1-7]\}\}\n</tool_call>')
+    content, calls, finish = openai_stream(server, messages=messages, tools=[WEATHER, TIME], tool_choice="auto",
+                                           extra_body={"chat_template": QWEN_STYLE, "structured_outputs": {
+                                               "regex": regex}})
+    assert finish == "tool_calls" and content == "Checking.\n"
+    assert [calls[i]["name"] for i in sorted(calls)] == ["get_time", "get_weather"]
+    assert len({c["id"] for c in calls.values()}) == 2 and all(c["deltas"] > 2 for c in calls.values())
+    for call, tool in zip((calls[0], calls[1]), (TIME, WEATHER)):
+        jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
 
 
 def test_tool_choice_errors(server):
