@@ -122,7 +122,9 @@ class ToolStream:
 
     def _section(self, final: bool) -> bool:
         used = self.section.feed(self.buf)
-        self.held, self.buf = self.held + self.buf[:used], self.buf[used:]
+        if not self.section.committed:  # once a call has started the text is never released: keep no copy
+            self.held += self.buf[:used]
+        self.buf = self.buf[used:]
         self._sync()
         if not (self.section.done or self.section.failed or final):
             return False
