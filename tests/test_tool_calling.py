@@ -178,13 +178,13 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with ServerThread(tiny_model_dir("qwen2"), served_model_name="tiny", tool_call_parser="hermes",
-                      reasoning_parser=True) as s:
+                      reasoning_parser=True, chat_template=QWEN_STYLE) as s:
         yield s
 
 
 def chat(server, **body) -> dict:
     resp = httpx.post(server.url("/v1/chat/completions"), timeout=120,
-                      json={"model": "tiny", "max_tokens": 120, "chat_template": QWEN_STYLE, **body})
+                      json={"model": "tiny", "max_tokens": 120, **body})
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -235,7 +235,7 @@ def streamed_calls(server, body: dict):
     from server_utils import sse_events
 
     with httpx.stream("POST", server.url("/v1/chat/completions"), timeout=120, json={
-            "model": "tiny", "max_tokens": 120, "chat_template": QWEN_STYLE, "stream": True, **body}) as resp:
+            "model": "tiny", "max_tokens": 120, "stream": True, **body}) as resp:
         events = [e for e in sse_events(resp) if e != "[DONE]" and e["choices"]]
     _, calls, _ = reassemble([e["choices"][0]["delta"] for e in events])
     calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
@@ -249,10 +249,8 @@ def test_openai_tool_loop(server):
 
     client = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "What time is it in Berlin?"}]
-    extra = {"chat_template": QWEN_STYLE}
     first = client.chat.completions.create(model="tiny", messages=messages, tools=[TIME], max_tokens=60,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           extra_body=extra)
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
     message = first.choices[0].message
     assert message.tool_calls and message.tool_calls[0].function.name == "get_time"
     messages.append(message.model_dump(exclude_none=True))
@@ -260,7 +258,7 @@ def test_openai_tool_loop(server):
         args = json.loads(call.function.arguments)
         messages.append({"role": "tool", "tool_call_id": call.id, "content": f"12:00 {args['tz']}"})
     second = client.chat.completions.create(model="tiny", messages=messages, tools=[TIME], max_tokens=8,
-                                            tool_choice="none", extra_body=extra)
+                                            tool_choice="none")
     assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason in ("stop", "length")
 
 
@@ -290,15 +288,14 @@ def test_openai_client_accumulates_streamed_calls(server):
     messages = [{"role": "user", "content": "Time in Berlin?"}]
     forced = {"type": "function", "function": {"name": "get_weather"}}
     _, calls, finish = openai_stream(server, messages=messages, tools=[WEATHER, TIME], tool_choice=forced,
-                                     temperature=1.0, seed=3, extra_body={"chat_template": QWEN_STYLE})
+                                     temperature=1.0, seed=3)
     assert finish == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "get_weather"
     assert calls[0]["id"].startswith("call_") and calls[0]["deltas"] > 2
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
     regex = (r'Checking\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
              r'\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", "days": [1-7]\}\}\n</tool_call>')
     content, calls, finish = openai_stream(server, messages=messages, tools=[WEATHER, TIME], tool_choice="auto",
-                                           extra_body={"chat_template": QWEN_STYLE, "structured_outputs": {
-                                               "regex": regex}})
+                                           extra_body={"structured_outputs": {"regex": regex}})
     assert finish == "tool_calls" and content == "Checking.\n"
     assert [calls[i]["name"] for i in sorted(calls)] == ["get_time", "get_weather"]
     assert len({c["id"] for c in calls.values()}) == 2 and all(c["deltas"] > 2 for c in calls.values())
