@@ -12,9 +12,12 @@ argument value that is not valid JSON passes through as written, as OpenAI's own
 from __future__ import annotations
 
 import json
+import re
 
 WS = " \t\r\n"
 SCALAR = set("0123456789+-.eEtrufalsn")
+_STRING_RUN = re.compile(r'[^"\\]+')  # inside a string: nothing that ends it or escapes
+_NESTED_RUN = re.compile(r'[^"{}\[\]]+')  # inside an object or array, outside strings: no nesting change
 
 
 class ValueScan:
@@ -27,6 +30,14 @@ class ValueScan:
         self.escaped = False
         self.done = False
         self.valid = self.kind != "scalar" or first in SCALAR
+
+    def run(self, text: str, pos: int) -> int:
+        """The end of the characters from `pos` on that change nothing but the value's length (read at once:
+        ~0.1 us a character instead of ~3 one by one)."""
+        if self.escaped or self.kind == "scalar":
+            return pos
+        match = (_STRING_RUN if self.in_string else _NESTED_RUN).match(text, pos)
+        return match.end() if match else pos
 
     def step(self, ch: str) -> bool:
         if self.in_string:
@@ -60,27 +71,46 @@ def _decode(raw: str):
 
 class CallScan:
     """One call object. feed(text) -> characters consumed (it stops at the object's end or at an error).
-    `name` once its string has closed; `arguments`: the argument text final so far; `done`, `error`."""
+    `name` once its string has closed; take() -> argument text final since the last take(); `done`, `error`."""
 
     def __init__(self, args_keys: tuple[str, ...]) -> None:
         self.args_keys = args_keys
         self.state = "open"
         self.name: str | None = None
-        self.arguments = ""
         self.args_key: str | None = None  # the key the arguments came under (the first of args_keys seen)
         self.done = self.error = False
         self._value: ValueScan | None = None
-        self._raw = ""  # the current key's or value's text
+        self._raw: list[str] = []  # the current key's or value's text (not the arguments')
+        self._args: list[str] = []  # the arguments' text, in pieces
+        self._taken = 0  # pieces handed out by take()
         self._role = "skip"  # what the current value is: name | args | skip
 
+    @property
+    def arguments(self) -> str:
+        return "".join(self._args)
+
+    def take(self) -> str:
+        new = "".join(self._args[self._taken:])
+        self._taken = len(self._args)
+        return new
+
     def feed(self, text: str) -> int:
-        for pos, ch in enumerate(text):
-            if self.done or self.error:
-                return pos
-            if not self._step(ch):  # a number or literal ended on this character: read it again
-                if self.done or self.error or not self._step(ch):
-                    return pos
-        return len(text)
+        pos = 0
+        while pos < len(text) and not (self.done or self.error):
+            if self.state in ("key", "value"):
+                end = self._value.run(text, pos)
+                if end > pos:
+                    self._add(text[pos:end])
+                    pos = end
+                    continue
+            if not self._step(text[pos]) and not (self.done or self.error):
+                self._step(text[pos])  # a number or literal ended on this character: read it again
+            pos += 1
+        return pos
+
+    def _add(self, text: str) -> None:
+        streaming = self._role == "args" and self._value.kind == "nested"
+        (self._args if streaming else self._raw).append(text)
 
     def _step(self, ch: str) -> bool:
         """Consume ch; False when ch was not consumed (it ended a scalar value)."""
@@ -94,7 +124,7 @@ class CallScan:
         elif state == "open":
             self._expect(ch == "{", "key?")
         elif state == "key?" and ch == '"':
-            self.state, self._value, self._raw = "key", ValueScan(ch), ch
+            self.state, self._value, self._raw = "key", ValueScan(ch), [ch]
         elif state in ("key?", "next") and ch == "}":
             self._close()
         elif state == "next":
@@ -107,24 +137,21 @@ class CallScan:
         self.state, self.error = (state, False) if ok else (self.state, True)
 
     def _start_value(self, ch: str) -> None:
-        self._value, self._raw, self.state = ValueScan(ch), ch, "value"
+        self._value, self._raw, self.state = ValueScan(ch), [], "value"
         self.error = not self._value.valid
-        if self._role == "args" and self._value.kind == "nested":
-            self.arguments += ch
+        self._add(ch)
 
     def _in_token(self, ch: str) -> bool:
         if not self._value.step(ch):
             self._end_value()
             return False
-        self._raw += ch
-        if self._role == "args" and self._value.kind == "nested":
-            self.arguments += ch
+        self._add(ch)
         if self._value.done:
             self._end_key() if self.state == "key" else self._end_value()
         return True
 
     def _end_key(self) -> None:
-        key = _decode(self._raw)
+        key = _decode("".join(self._raw))
         if key == "name" and self.name is None:
             self._role = "name"
         elif key in self.args_keys and self.args_key is None:
@@ -134,20 +161,20 @@ class CallScan:
         self.state = "colon"
 
     def _end_value(self) -> None:
-        value, kind = self._raw, self._value.kind
+        value, kind = "".join(self._raw), self._value.kind
         if self._role == "name":
             self.name = _decode(value)
             self.error = not isinstance(self.name, str)
         elif self._role == "args" and kind != "nested":
             decoded = _decode(value)
-            self.arguments = decoded if kind == "string" and isinstance(decoded, str) else value
+            self._args = [decoded if kind == "string" and isinstance(decoded, str) else value]
         self.state, self._role = "next", "skip"
 
     def _close(self) -> None:
         self.done = True
         self.error = self.name is None
         if self.args_key is None:
-            self.arguments = "{}"
+            self._args = ["{}"]
 
 
 class Section:

@@ -141,8 +141,7 @@ class ToolStream:
                 continue
             if i not in self.made:
                 self.made[i] = self._begin(scan.name)
-            index = self.made[i]
-            self._more(index, scan.arguments[len(self.calls[index].arguments):])
+            self._more(self.made[i], scan.take())
 
     def _begin(self, name: str) -> int:
         call = ToolCall(name, "", self.new_id())

@@ -10,6 +10,8 @@ import random
 import httpx
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.reasoning import ReasoningParser, StreamingReasoning
 from server.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, NamedParser, RequiredParser
@@ -101,6 +103,27 @@ def test_streamed_calls_reassemble_to_the_whole_parse(parser, text, names, smoll
         assert [json.loads(c["arguments"]) for c in got] == [json.loads(c["arguments"]) for c in want]
         if len(pieces) == len(text):  # a character at a time: arguments written after the name come in pieces
             assert all(arg_pieces[i] > 1 for i in streaming), (arg_pieces, streaming)
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]", '"', "\\", ":",
+             ",", ";", " ", "\n", '"name"', '"arguments"', '"parameters"', '"f"', "1", "true", "x", "<tool",
+             '{"name": "g", "arguments": {"a": [1, "}"]}}', '"a\\"b"', "some text"]
+PARSERS = [HermesParser(), MistralParser(), Llama3JsonParser(), RequiredParser(), NamedParser("n")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=25), st.lists(st.integers(1, 400), max_size=8),
+       st.sampled_from(range(len(PARSERS))))
+def test_any_text_streams_as_it_parses(fragments, cuts, which):
+    """Whatever the text (well-formed calls, broken ones, markers inside strings, bare text) and wherever it is
+    cut, the stream's deltas reassemble to the whole parse, in OpenAI's delta shape."""
+    text, parser = "".join(fragments), PARSERS[which]
+    content, calls = parser.parse(text, counter_ids())
+    want = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+    cuts = sorted({c for c in cuts if c < len(text)})
+    for pieces in ([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])], list(text)):
+        got_content, got, _ = reassemble(stream_deltas(parser, pieces))
+        assert (got_content, got) == (content, want)
 
 
 def test_nothing_is_sent_before_it_is_certain():
