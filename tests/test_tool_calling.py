@@ -289,45 +289,60 @@ def test_openai_tool_loop(server):
     assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason in ("stop", "length")
 
 
-def openai_stream(server, **body):
-    """The official client's streamed chunks, accumulated as its users do: (content, calls by index, finish)."""
+def openai_stream(server, **body) -> dict:
+    """The official client's streamed chunks, accumulated as its users do: content, reasoning_content, the
+    calls by index (with how many deltas each took) and the finish reason."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
-    content, calls, finish = "", {}, None
+    got = {"content": "", "reasoning": "", "calls": {}, "finish": None}
     for chunk in client.chat.completions.create(model="tiny", stream=True, max_tokens=120, **body):
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
-        content += choice.delta.content or ""
+        got["content"] += choice.delta.content or ""
+        got["reasoning"] += getattr(choice.delta, "reasoning_content", None) or ""  # vLLM's extra field
         for tc in choice.delta.tool_calls or []:
-            call = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": "", "deltas": 0})
+            call = got["calls"].setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": "",
+                                                      "deltas": 0})
             call["arguments"] += tc.function.arguments or ""
             call["deltas"] += 1
-        finish = choice.finish_reason or finish
-    return content, calls, finish
+        got["finish"] = choice.finish_reason or got["finish"]
+    return got
 
 
 def test_openai_client_accumulates_streamed_calls(server):
     """Streamed through the real server, the official client's chunks accumulate into valid calls: a named
     tool_choice (the grammar forces the arguments), and `auto` read by the hermes parser from a reply that a
-    regex forces into `<tool_call>` form (a random model writes no calls of its own)."""
+    regex forces into `<think>` + `<tool_call>` form (a random model writes no calls of its own)."""
     messages = [{"role": "user", "content": "Time in Berlin?"}]
     forced = {"type": "function", "function": {"name": "get_weather"}}
-    _, calls, finish = openai_stream(server, messages=messages, tools=[WEATHER, TIME], tool_choice=forced,
-                                     temperature=1.0, seed=3)
-    assert finish == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "get_weather"
+    got = openai_stream(server, messages=messages, tools=[WEATHER, TIME], tool_choice=forced, temperature=1.0, seed=3)
+    calls = got["calls"]
+    assert got["finish"] == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "get_weather"
     assert calls[0]["id"].startswith("call_") and calls[0]["deltas"] > 2
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
-    regex = (r'Checking\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n</tool_call>'
-             r'\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", "days": [1-7]\}\}\n</tool_call>')
-    content, calls, finish = openai_stream(server, messages=messages, tools=[WEATHER, TIME], tool_choice="auto",
-                                           extra_body={"structured_outputs": {"regex": regex}})
-    assert finish == "tool_calls" and content == "Checking.\n"
+    regex = (r'<think>Berlin is CET\.</think>\n\nChecking\.\n<tool_call>\n\{"name": "get_time", "arguments": '
+             r'\{"tz": "(UTC|CET)"\}\}\n</tool_call>\n<tool_call>\n\{"name": "get_weather", "arguments": '
+             r'\{"city": "[a-z]{1,8}", "days": [1-7]\}\}\n</tool_call>')
+    body = dict(messages=messages, tools=[WEATHER, TIME], tool_choice="auto", temperature=0.0,
+                extra_body={"structured_outputs": {"regex": regex}})
+    got = openai_stream(server, **body)
+    calls = got["calls"]
+    assert got["finish"] == "tool_calls" and got["content"] == "Checking.\n"
+    assert got["reasoning"] == "Berlin is CET."
     assert [calls[i]["name"] for i in sorted(calls)] == ["get_time", "get_weather"]
     assert len({c["id"] for c in calls.values()}) == 2 and all(c["deltas"] > 2 for c in calls.values())
     for call, tool in zip((calls[0], calls[1]), (TIME, WEATHER)):
         jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+    from openai import OpenAI  # the same request not streamed (greedy): the same reply, parsed whole
+
+    whole = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0).chat.completions.create(
+        model="tiny", max_tokens=120, **body).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == got["content"]
+    assert whole.message.model_extra["reasoning_content"] == got["reasoning"]
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        (calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
 
 
 def test_tool_choice_errors(server):
