@@ -44,6 +44,9 @@ def _safe_end(text: str, markers: tuple[str, ...]) -> int:
 
 
 class ToolStream:
+    """One reply's machine for a parser (server/tool_parsers.ToolParser); new_id() names each call it starts.
+    `calls` holds the calls so far (whole arguments text included)."""
+
     def __init__(self, parser, new_id) -> None:
         self.parser, self.new_id = parser, new_id
         self.mode = parser.start
