@@ -137,6 +137,7 @@ def serving_context(app: FastAPI) -> serving.ServingContext:
                                            s.log_requests, names, max_chars, s.chat_parse_special_tokens)
     app.state.ctx.tool_call_parser, app.state.ctx.reasoning_parser = s.tool_call_parser, s.reasoning_parser
     app.state.ctx.chat_template = _read_template(s.chat_template)
+    app.state.ctx.trust_request_chat_template = s.trust_request_chat_template
     app.state.ctx.grammars = GrammarChecker(app.state.ctx.tokenizer, eng.vocab_size,
                                             GrammarLimits(eng.grammar_max_size, eng.grammar_compile_fuel))
     return app.state.ctx
@@ -258,6 +259,7 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         ctx = serving_context(app)
         req = parse_model(P.ChatCompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
+        serving.request_template(ctx, req)  # refused before any work when the server does not trust them
         params = await _with_structured(ctx, req, P.chat_params(req, ctx.limits))
         parser = await _tool_calls(ctx, req, params)
         prompt = await ctx.run_for(request, serving.chat_prompt, ctx, req)

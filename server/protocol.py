@@ -158,7 +158,9 @@ class _ChatExtraFields(_Strict):
     functions: Any = _refused("[]")
     function_call: Any = _refused('"none" or "auto" without functions')
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (tool_choice required)")
-    chat_template: Text | None = Field(None, description="a Jinja chat template used instead of the model's")
+    chat_template: Text | None = Field(None, description="a Jinja chat template used instead of the model's "
+                                       "(only on a server started with --trust-request-chat-template; "
+                                       "otherwise 400 unsupported)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the template "
                                                         "(e.g. enable_thinking)")
     continue_final_message: bool | None = Field(False, description="continue the last (assistant) message "

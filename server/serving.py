@@ -46,6 +46,7 @@ class ServingContext:
     tool_call_parser: str | None = None
     reasoning_parser: bool = False
     chat_template: str | None = None  # the server's override of the model's template
+    trust_request_chat_template: bool = False  # requests may send their own template
     _token_text: dict[int, str] = field(default_factory=dict)
 
     async def run(self, fn, *args):
@@ -359,11 +360,15 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
             state["cached"][out.request_id] = out.num_cached_tokens
             lps = chat_logprobs(ctx, out.new_logprobs) if req.logprobs and out.new_logprobs else None
             if out.new_text or out.new_token_ids or out.finished:
-                delta, called = replies[out.index].delta(out.new_text, out.finished)
+                reply = replies[out.index]
+                deltas = reply.deltas(out.new_text, out.finished) or [{}]
                 finish = out.finish_reason.value if out.finished else None
-                yield chunk([{"index": out.index, "delta": delta, "logprobs": lps,
-                              "finish_reason": "tool_calls" if called and finish == "stop" else finish,
-                              "stop_reason": out.stop_reason}])
+                finish = "tool_calls" if reply.called and finish == "stop" else finish
+                for i, delta in enumerate(deltas):  # logprobs on the first, the finish on the last
+                    last = i == len(deltas) - 1
+                    yield chunk([{"index": out.index, "delta": delta, "logprobs": None if i else lps,
+                                  "finish_reason": finish if last else None,
+                                  "stop_reason": out.stop_reason if last else None}])
 
     return chunk.events(chunks())
 
@@ -376,16 +381,31 @@ def tokenize_texts(ctx: ServingContext, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
+def request_template(ctx: ServingContext, req) -> str | None:
+    """A template the request sends (`chat_template`, or vLLM's `chat_template_kwargs.chat_template`): a Jinja
+    program the server would run, so only with --trust-request-chat-template (vLLM's rule)."""
+    template = getattr(req, "chat_template", None)
+    param = "chat_template"
+    if template is None:
+        template = (getattr(req, "chat_template_kwargs", None) or {}).get("chat_template")
+        param = "chat_template_kwargs.chat_template"
+    if template is not None and not ctx.trust_request_chat_template:
+        raise APIError(400, f"{param}: this server does not run templates sent with requests (start it with "
+                       "--trust-request-chat-template to allow them)", "unsupported", param)
+    return template
+
+
 def chat_template(ctx: ServingContext, req) -> str | None:
-    """The request's template, else the server's, else the model's."""
+    """The request's template (when trusted), else the server's, else the model's."""
     tok = ctx.need_tokenizer("chat")
-    return getattr(req, "chat_template", None) or ctx.chat_template or getattr(tok, "chat_template", None)
+    return request_template(ctx, req) or ctx.chat_template or getattr(tok, "chat_template", None)
 
 
 def template_options(req) -> dict:
     """tools, chat_template_kwargs, add_generation_prompt / continue_final_message as apply_chat_template takes them."""
     cont = bool(getattr(req, "continue_final_message", False))
-    options = {**(getattr(req, "chat_template_kwargs", None) or {}), "continue_final_message": cont,
+    kwargs = {k: v for k, v in (getattr(req, "chat_template_kwargs", None) or {}).items() if k != "chat_template"}
+    options = {**kwargs, "continue_final_message": cont,
                "add_generation_prompt": getattr(req, "add_generation_prompt", True) and not cont}
     if getattr(req, "tools", None):
         options["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]

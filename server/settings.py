@@ -67,6 +67,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral | auto (server/tool_parsers.py)
     reasoning_parser: bool = False  # split <think>...</think> into reasoning_content
     chat_template: str | None = None  # a Jinja template, or the path of a file holding one
+    trust_request_chat_template: bool = False  # let requests send their own chat_template (a Jinja program)
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # one name, or several comma-separated
@@ -195,6 +196,8 @@ SERVER_HELP = {
                         "(from the chat template); needed for tool_choice auto",
     "reasoning_parser": "split <think>...</think> (Qwen3, DeepSeek-R1) into reasoning_content",
     "chat_template": "a Jinja chat template (or a file holding one) used instead of the model's",
+    "trust_request_chat_template": "let a chat request send its own chat_template (a Jinja program the server "
+                                   "runs; off: such a request is a 400 unsupported, as in vLLM)",
 }
 
 

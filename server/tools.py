@@ -7,8 +7,9 @@ import json
 
 from engine.request import StructuredOutput
 from server.errors import APIError
-from server.tool_parsers import (NamedParser, ReasoningParser, RequiredParser, StreamingReasoning,
-                                 StreamingToolParser, parser_for)
+from server.reasoning import ReasoningParser, StreamingReasoning
+from server.tool_parsers import NamedParser, RequiredParser, parser_for
+from server.tool_stream import Piece
 
 ANY_OBJECT = {"type": "object"}
 
@@ -76,33 +77,36 @@ def reply_message(text: str, parser, reasoning: bool, finish_reason: str | None)
     return message, finish_reason
 
 
+def piece_delta(piece: Piece) -> dict:
+    """A Piece as OpenAI streams it: content; a call's first delta (index, id, type, name, `arguments: ""`);
+    then only `function.arguments` pieces for that index."""
+    if piece.index < 0:
+        return {"content": piece.content}
+    if piece.call is not None:
+        call = {"index": piece.index, "id": piece.call.id, "type": "function",
+                "function": {"name": piece.call.name, "arguments": ""}}
+    else:
+        call = {"index": piece.index, "function": {"arguments": piece.arguments}}
+    return {"tool_calls": [call]}
+
+
 class StreamReply:
-    """One choice's stream: each text delta -> the delta dict to send (maybe empty); the finish adds the rest
-    of the content and the tool calls (one delta each: id, name and whole arguments)."""
+    """One choice's stream: each text delta -> the deltas to send now (maybe none), each its own chunk;
+    `called` once a tool call has started."""
 
     def __init__(self, parser, reasoning: bool) -> None:
-        self.tools = StreamingToolParser(parser) if parser is not None else None
+        self.tools = parser.stream() if parser is not None else None
         self.reasoning = StreamingReasoning() if reasoning else None
-        self.num_calls = 0
+        self.called = False
 
-    def delta(self, text: str, finished: bool) -> tuple[dict, bool]:
-        """(delta, whether tool calls were made)."""
-        delta: dict = {}
+    def deltas(self, text: str, finished: bool) -> list[dict]:
+        out: list[dict] = []
         if self.reasoning is not None:
             thought, text = self.reasoning.feed(text, finished)
             if thought:
-                delta["reasoning_content"] = thought
-        if self.tools is None:
-            if text:
-                delta["content"] = text
-            return delta, False
-        content = self.tools.feed(text)
-        calls = []
-        if finished:
-            rest, calls = self.tools.finish()
-            content += rest
-        if content and (content.strip() or not calls):
-            delta["content"] = content
-        if calls:
-            delta["tool_calls"] = [{"index": i, **c.to_dict()} for i, c in enumerate(calls)]
-        return delta, bool(calls)
+                out.append({"reasoning_content": thought})
+        if self.tools is None:  # one delta, reasoning and content together
+            return [{**(out[0] if out else {}), "content": text}] if text else out
+        pieces = self.tools.feed(text) + (self.tools.finish() if finished else [])
+        self.called = self.called or any(p.index >= 0 for p in pieces)
+        return out + [piece_delta(p) for p in pieces]

@@ -69,6 +69,39 @@ def test_openapi_declares_every_field(server):
     assert "unsupported" in chat["functions"]["description"]
 
 
+# ---- request chat templates ------------------------------------------------------------------------------
+
+ECHO_ONCE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+ECHO_FIVE = "{% for m in messages %}{{ m.content * 5 }}{% endfor %}"
+
+
+@pytest.mark.parametrize("body", [{"chat_template": ECHO_ONCE},
+                                  {"chat_template_kwargs": {"chat_template": ECHO_ONCE}}])
+def test_request_chat_template_refused_by_default(server, body):
+    """A template is a program the server runs: without --trust-request-chat-template it is a 400 (vLLM's rule),
+    before any work, and the server keeps serving."""
+    resp = post(server, "/v1/chat/completions", {**CHAT, **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    param = "chat_template" if "chat_template" in body else "chat_template_kwargs.chat_template"
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "unsupported", param)
+    assert "--trust-request-chat-template" in err["message"]
+    assert post(server, "/v1/chat/completions", {**CHAT, "chat_template": None}).status_code == 200
+
+
+def test_request_chat_template_used_when_trusted(tiny_model_dir, smollm2_tokenizer):
+    """With the flag, the request's template renders the prompt (either spelling): the prompt is the
+    template's output, token for token."""
+    with ServerThread(tiny_model_dir("llama"), served_model_name="tiny", trust_request_chat_template=True) as s:
+        msgs = [{"role": "user", "content": "hello there"}]
+        for template, rendered in ((ECHO_ONCE, "hello there"), (ECHO_FIVE, "hello there" * 5)):
+            want = len(smollm2_tokenizer.encode(rendered, add_special_tokens=False))
+            for body in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+                resp = post(s, "/v1/chat/completions", {**CHAT, "messages": msgs, **body})
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["usage"]["prompt_tokens"] == want, (template, body)
+
+
 # ---- prompt logprobs ---------------------------------------------------------------------------------------
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then a few more words to span chunks"

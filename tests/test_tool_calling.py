@@ -3,27 +3,47 @@ tool calls through a Qwen-style template, tool_choice required / named from a ra
 calls valid), and the openai client's tool loop against the real server."""
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
 import httpx
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from server.tool_parsers import (HermesParser, Llama3JsonParser, MistralParser, ReasoningParser, StreamingReasoning,
-                                 StreamingToolParser)
+from server.reasoning import ReasoningParser, StreamingReasoning
+from server.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, NamedParser, RequiredParser
+from server.tools import piece_delta
 from server_utils import ServerThread
 
-CANNED = {
-    HermesParser: ['Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-                   '\n<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>',
-                   "No tools needed: 3 < 4 and <tool is not a tag."],
-    Llama3JsonParser: ['<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
-                       '{"name": "get_time", "parameters": {}}',
-                       '{"name": "search", "parameters": {"q": "a;b {c}"}}', "Plain {answer} text."],
-    MistralParser: ['Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]',
-                    "[TOOL_CALLS is not complete here"],
-}
+# (parser, text, the calls' names: what the whole-text parse must find)
+CANNED = [
+    (HermesParser(), 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                     '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>',
+     ["get_weather", "get_time"]),
+    (HermesParser(), '<tool_call>{"arguments": {"q": "a \\"} </tool_call> [", "n": [1, {"x": null}]}, '
+                     '"name": "search"}</tool_call>\nDone.', ["search"]),
+    (HermesParser(), '<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"\u00e9\\"}"}</tool_call>', ["f"]),
+    (HermesParser(), "No tools needed: 3 < 4 and <tool is not a tag.", []),
+    (HermesParser(), '<tool_call>{"arguments": {}}</tool_call> has no name', []),
+    (Llama3JsonParser(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                         '{"name": "get_time", "parameters": {}}', ["get_weather", "get_time"]),
+    (Llama3JsonParser(), '{"name": "search", "parameters": {"q": "a;b {c}", "k": 10}}', ["search"]),
+    (Llama3JsonParser(), '{"name": "search", "k": 5, "parameters": {"q": "x"}, "strict": true}', ["search"]),
+    (Llama3JsonParser(), "Plain {answer} text.", []),
+    (Llama3JsonParser(), '{"answer": 42}', []),
+    (MistralParser(), 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}, '
+                      '{"name": "get_time", "arguments": {"tz": "UTC"}}]', ["get_weather", "get_time"]),
+    (MistralParser(), '[TOOL_CALLS]{"name": "ping", "arguments": {}}', ["ping"]),
+    (MistralParser(), '[TOOL_CALLS] [{"name": "a", "arguments": {}, "n": 7}, {"name": "b", "arguments": 12.5}]',
+     ["a", "b"]),
+    (MistralParser(), "[TOOL_CALLS is not complete here", []),
+    (RequiredParser(), '[{"name": "get_time", "parameters": {"tz": "CET"}}, {"name": "get_weather", '
+                       '"parameters": {"city": "Nice", "days": 1}}]', ["get_time", "get_weather"]),
+    (NamedParser("get_weather"), '{"city": "Lyon", "days": 2}', ["get_weather"]),
+]
 
 
 def chunkings(text: str, tokenizer) -> list[list[str]]:
@@ -37,21 +57,101 @@ def chunkings(text: str, tokenizer) -> list[list[str]]:
     return out
 
 
-def streamed(parser, pieces: list[str]):
-    s = StreamingToolParser(parser)
-    content = "".join(s.feed(p) for p in pieces)
-    rest, calls = s.finish()
-    return content + rest, [(c.name, json.loads(c.arguments)) for c in calls]
+def counter_ids():
+    count = itertools.count()
+    return lambda: f"call_{next(count)}"
 
 
-@pytest.mark.parametrize("parser_cls, text", [(p, t) for p, texts in CANNED.items() for t in texts])
-def test_parsers_agree_in_every_chunking(parser_cls, text, smollm2_tokenizer):
-    content, calls = parser_cls().parse(text)
-    whole = (content, [(c.name, json.loads(c.arguments)) for c in calls])
-    assert bool(calls) == ("get_" in text or "search" in text)
+def stream_deltas(parser, pieces: list[str]) -> list[dict]:
+    """The OpenAI deltas a stream sends for these text pieces, in order."""
+    s = parser.stream(counter_ids())
+    out = [piece_delta(p) for text in pieces for p in s.feed(text)]
+    return out + [piece_delta(p) for p in s.finish()]
+
+
+def reassemble(deltas: list[dict]) -> tuple[str, list[dict], dict[int, int]]:
+    """(content, calls, argument pieces per call) as a client accumulates them, checking OpenAI's shape: a
+    call's first delta has index, id, type, name and empty arguments; later ones only arguments."""
+    content, calls, pieces = "", {}, {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for tc in delta.get("tool_calls", []):
+            i = tc["index"]
+            if i not in calls:
+                assert set(tc) == {"index", "id", "type", "function"} and tc["type"] == "function", tc
+                assert tc["id"] and tc["function"]["name"] and tc["function"]["arguments"] == "", tc
+                calls[i] = {"id": tc["id"], "name": tc["function"]["name"], "arguments": ""}
+                pieces[i] = 0
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}, tc
+                calls[i]["arguments"] += tc["function"]["arguments"]
+                pieces[i] += 1
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], pieces
+
+
+@pytest.mark.parametrize("parser, text, names", CANNED, ids=[f"{type(p).__name__}-{i}" for i, (p, *_) in
+                                                            enumerate(CANNED)])
+def test_streamed_calls_reassemble_to_the_whole_parse(parser, text, names, smollm2_tokenizer):
+    content, calls = parser.parse(text, counter_ids())
+    assert [c.name for c in calls] == names
+    want = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+    for c in calls:
+        json.loads(c.arguments)  # every canned call has JSON arguments
+    streaming = [i for i, c in enumerate(calls)  # an object written after the name, as the model wrote it
+                 if len(c.arguments) > 2 and c.arguments[0] == "{" and text.find(c.name) < text.find(c.arguments)]
     for pieces in chunkings(text, smollm2_tokenizer):
         assert "".join(pieces) == text
-        assert streamed(parser_cls(), pieces) == whole, pieces
+        got_content, got, arg_pieces = reassemble(stream_deltas(parser, pieces))
+        assert (got_content, got) == (content, want), pieces
+        assert [json.loads(c["arguments"]) for c in got] == [json.loads(c["arguments"]) for c in want]
+        if len(pieces) == len(text):  # a character at a time: arguments written after the name come in pieces
+            assert all(arg_pieces[i] > 1 for i in streaming), (arg_pieces, streaming)
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]", '"', "\\", ":",
+             ",", ";", " ", "\n", '"name"', '"arguments"', '"parameters"', '"f"', "1", "true", "x", "<tool",
+             '{"name": "g", "arguments": {"a": [1, "}"]}}', '"a\\"b"', "some text"]
+PARSERS = [HermesParser(), MistralParser(), Llama3JsonParser(), RequiredParser(), NamedParser("n")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=25), st.lists(st.integers(1, 400), max_size=8),
+       st.sampled_from(range(len(PARSERS))))
+def test_any_text_streams_as_it_parses(fragments, cuts, which):
+    """Whatever the text (well-formed calls, broken ones, markers inside strings, bare text) and wherever it is
+    cut, the stream's deltas reassemble to the whole parse, in OpenAI's delta shape."""
+    text, parser = "".join(fragments), PARSERS[which]
+    content, calls = parser.parse(text, counter_ids())
+    want = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+    cuts = sorted({c for c in cuts if c < len(text)})
+    for pieces in ([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])], list(text)):
+        got_content, got, _ = reassemble(stream_deltas(parser, pieces))
+        assert (got_content, got) == (content, want)
+
+
+def test_nothing_is_sent_before_it_is_certain():
+    """Fed a character at a time, a call starts once its name has closed (before its arguments end), and no
+    piece of a closing tag or marker goes out as content or arguments."""
+    text = 'Hi <tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+    s = HermesParser().stream(counter_ids())
+    sent = []
+    for n, ch in enumerate(text, 1):
+        sent += [(n, piece_delta(p)) for p in s.feed(ch)]
+    starts = [n for n, d in sent if "id" in d.get("tool_calls", [{}])[0]]
+    assert starts == [text.index('"get_time"') + len('"get_time"')]
+    assert "".join(d.get("content", "") for _, d in sent) == "Hi "
+    args = "".join(d["tool_calls"][0]["function"]["arguments"] for _, d in sent if "tool_calls" in d)
+    assert args == '{"tz": "CET"}' and s.finish() == []
+
+
+def test_a_cut_off_call_keeps_what_was_sent():
+    """max_tokens can end a call midway: the stream and the whole parse both keep the call with the argument
+    text so far (OpenAI's own `arguments` are cut the same way; finish_reason stays `length`)."""
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    content, calls = HermesParser().parse(text)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
+    assert HermesParser().parse('<tool_call>{"nam') == ('<tool_call>{"nam', [])
 
 
 @pytest.mark.parametrize("text", ["<think>step 1, then 2</think>\n\nThe answer is 4.", "No thinking here.",
@@ -105,13 +205,13 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with ServerThread(tiny_model_dir("qwen2"), served_model_name="tiny", tool_call_parser="hermes",
-                      reasoning_parser=True) as s:
+                      reasoning_parser=True, chat_template=QWEN_STYLE) as s:
         yield s
 
 
 def chat(server, **body) -> dict:
     resp = httpx.post(server.url("/v1/chat/completions"), timeout=120,
-                      json={"model": "tiny", "max_tokens": 120, "chat_template": QWEN_STYLE, **body})
+                      json={"model": "tiny", "max_tokens": 120, **body})
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -162,9 +262,11 @@ def streamed_calls(server, body: dict):
     from server_utils import sse_events
 
     with httpx.stream("POST", server.url("/v1/chat/completions"), timeout=120, json={
-            "model": "tiny", "max_tokens": 120, "chat_template": QWEN_STYLE, "stream": True, **body}) as resp:
+            "model": "tiny", "max_tokens": 120, "stream": True, **body}) as resp:
         events = [e for e in sse_events(resp) if e != "[DONE]" and e["choices"]]
-    calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    _, calls, _ = reassemble([e["choices"][0]["delta"] for e in events])
+    calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+             for c in calls]
     return calls, events[-1]["choices"][0]["finish_reason"]
 
 
@@ -174,10 +276,8 @@ def test_openai_tool_loop(server):
 
     client = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "What time is it in Berlin?"}]
-    extra = {"chat_template": QWEN_STYLE}
     first = client.chat.completions.create(model="tiny", messages=messages, tools=[TIME], max_tokens=60,
-                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                           extra_body=extra)
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}})
     message = first.choices[0].message
     assert message.tool_calls and message.tool_calls[0].function.name == "get_time"
     messages.append(message.model_dump(exclude_none=True))
@@ -185,8 +285,64 @@ def test_openai_tool_loop(server):
         args = json.loads(call.function.arguments)
         messages.append({"role": "tool", "tool_call_id": call.id, "content": f"12:00 {args['tz']}"})
     second = client.chat.completions.create(model="tiny", messages=messages, tools=[TIME], max_tokens=8,
-                                            tool_choice="none", extra_body=extra)
+                                            tool_choice="none")
     assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason in ("stop", "length")
+
+
+def openai_stream(server, **body) -> dict:
+    """The official client's streamed chunks, accumulated as its users do: content, reasoning_content, the
+    calls by index (with how many deltas each took) and the finish reason."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    got = {"content": "", "reasoning": "", "calls": {}, "finish": None}
+    for chunk in client.chat.completions.create(model="tiny", stream=True, max_tokens=120, **body):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        got["content"] += choice.delta.content or ""
+        got["reasoning"] += getattr(choice.delta, "reasoning_content", None) or ""  # vLLM's extra field
+        for tc in choice.delta.tool_calls or []:
+            call = got["calls"].setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": "",
+                                                      "deltas": 0})
+            call["arguments"] += tc.function.arguments or ""
+            call["deltas"] += 1
+        got["finish"] = choice.finish_reason or got["finish"]
+    return got
+
+
+def test_openai_client_accumulates_streamed_calls(server):
+    """Streamed through the real server, the official client's chunks accumulate into valid calls: a named
+    tool_choice (the grammar forces the arguments), and `auto` read by the hermes parser from a reply that a
+    regex forces into `<think>` + `<tool_call>` form (a random model writes no calls of its own)."""
+    messages = [{"role": "user", "content": "Time in Berlin?"}]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    got = openai_stream(server, messages=messages, tools=[WEATHER, TIME], tool_choice=forced, temperature=1.0, seed=3)
+    calls = got["calls"]
+    assert got["finish"] == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "get_weather"
+    assert calls[0]["id"].startswith("call_") and calls[0]["deltas"] > 2
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+    regex = (r'<think>Berlin is CET\.</think>\n\nChecking\.\n<tool_call>\n\{"name": "get_time", "arguments": '
+             r'\{"tz": "(UTC|CET)"\}\}\n</tool_call>\n<tool_call>\n\{"name": "get_weather", "arguments": '
+             r'\{"city": "[a-z]{1,8}", "days": [1-7]\}\}\n</tool_call>')
+    body = dict(messages=messages, tools=[WEATHER, TIME], tool_choice="auto", temperature=0.0,
+                extra_body={"structured_outputs": {"regex": regex}})
+    got = openai_stream(server, **body)
+    calls = got["calls"]
+    assert got["finish"] == "tool_calls" and got["content"] == "Checking.\n"
+    assert got["reasoning"] == "Berlin is CET."
+    assert [calls[i]["name"] for i in sorted(calls)] == ["get_time", "get_weather"]
+    assert len({c["id"] for c in calls.values()}) == 2 and all(c["deltas"] > 2 for c in calls.values())
+    for call, tool in zip((calls[0], calls[1]), (TIME, WEATHER)):
+        jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+    from openai import OpenAI  # the same request not streamed (greedy): the same reply, parsed whole
+
+    whole = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0).chat.completions.create(
+        model="tiny", max_tokens=120, **body).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == got["content"]
+    assert whole.message.model_extra["reasoning_content"] == got["reasoning"]
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        (calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
 
 
 def test_tool_choice_errors(server):
