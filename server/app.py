@@ -28,6 +28,8 @@ from server.errors import APIError, from_validation_errors, install_handlers
 from server.metrics import CONTENT_TYPE
 from server.middleware import APIKeyMiddleware, BodyLimitMiddleware, BodyTooLarge
 from server import protocol as P
+from server import request_params as RP
+from server import responses as R
 from server import serving, tools
 from server.prompts import check_chars, max_token_chars
 from server.settings import ServerSettings
@@ -37,7 +39,7 @@ from engine.request import RequestError
 
 logger = logging.getLogger("kvserve.server")
 
-_ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 431, 500, 503)}
+_ERRORS = {code: {"model": R.ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 429, 431, 500, 503)}
 # One server-sent event (OpenAPI 3.1 describes a stream by its events): `data` is a JSON chunk, an error
 # object, or [DONE] at the end.
 _SSE = {"text/event-stream": {"schema": {
@@ -124,7 +126,7 @@ def serving_context(app: FastAPI) -> serving.ServingContext:
         raise APIError(503, "the model is still loading", "not_ready",
                        headers={"Retry-After": str(app.state.settings.retry_after)})
     s, eng = app.state.settings, aengine.info
-    limits = P.Limits(vocab_size=eng.vocab_size, max_n=s.max_n, max_logprobs=s.max_logprobs,
+    limits = RP.Limits(vocab_size=eng.vocab_size, max_n=s.max_n, max_logprobs=s.max_logprobs,
                       max_stop_sequences=s.max_stop_sequences, max_stop_length=s.max_stop_length,
                       max_tokens_cap=s.max_tokens_cap, max_stop_token_ids=s.max_stop_token_ids,
                       max_logit_bias=s.max_logit_bias, max_messages=s.max_messages,
@@ -227,16 +229,16 @@ def _add_routes(app: FastAPI, aengine: EngineClient) -> None:
 
 
 def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
-    @app.post("/v1/completions", responses={200: {"model": P.CompletionResponse, "content": _SSE}, **_ERRORS},
+    @app.post("/v1/completions", responses={200: {"model": R.CompletionResponse, "content": _SSE}, **_ERRORS},
               openapi_extra=_body_schema(P.CompletionRequest))
     async def completions(request: Request):
         ctx = serving_context(app)
         req = parse_model(P.CompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
-        params = await _with_structured(ctx, req, P.completion_params(req, ctx.limits))
-        texts, prompts = P.split_prompt(req.prompt)
-        P.check_num_completions(len(texts or prompts), params.n, ctx.limits)
-        P.check_response_size(len(texts or prompts) * params.n, params.max_tokens, params.logprobs, ctx.limits)
+        params = await _with_structured(ctx, req, RP.completion_params(req, ctx.limits))
+        texts, prompts = RP.split_prompt(req.prompt)
+        RP.check_num_completions(len(texts or prompts), params.n, ctx.limits)
+        RP.check_response_size(len(texts or prompts) * params.n, params.max_tokens, params.logprobs, ctx.limits)
         if texts:
             check_chars(texts, ctx.max_prompt_chars, ctx.max_prompt_tokens)
             prompts = await ctx.run_for(request, serving.tokenize_texts, ctx, texts)
@@ -253,24 +255,24 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
                               lambda: serving.completion_response(ctx, gen, req, rid, texts))
 
     @app.post("/v1/chat/completions",
-              responses={200: {"model": P.ChatCompletionResponse, "content": _SSE}, **_ERRORS},
+              responses={200: {"model": R.ChatCompletionResponse, "content": _SSE}, **_ERRORS},
               openapi_extra=_body_schema(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
         ctx = serving_context(app)
         req = parse_model(P.ChatCompletionRequest, await read_json(request))
         check_model(ctx, req.model, aengine.model)
         serving.request_template(ctx, req)  # refused before any work when the server does not trust them
-        params = await _with_structured(ctx, req, P.chat_params(req, ctx.limits))
+        params = await _with_structured(ctx, req, RP.chat_params(req, ctx.limits))
         parser = await _tool_calls(ctx, req, params)
         prompt = await ctx.run_for(request, serving.chat_prompt, ctx, req)
         serving.prompt_check(ctx, [prompt])
         rid = serving.new_id("chatcmpl")
-        _log_request(ctx, rid, [P.message_dicts(req.messages)], [prompt])
+        _log_request(ctx, rid, [RP.message_dicts(req.messages)], [prompt])
         gen = await aengine.generate(rid, [prompt], params, req.timeout)
         return await _respond(request, req.stream, gen, lambda: serving.chat_stream(ctx, gen, req, rid, parser),
                               lambda: serving.chat_response(ctx, gen, req, rid, parser))
 
-    @app.get("/v1/models", response_model=P.ModelList, responses=_ERRORS)
+    @app.get("/v1/models", response_model=R.ModelList, responses=_ERRORS)
     async def models():
         ctx = serving_context(app)
         cards = [{"id": name, "object": "model", "created": aengine.created, "owned_by": "kvserve",
@@ -283,7 +285,7 @@ async def _with_structured(ctx: serving.ServingContext, req, params):
     thread (a bad one is a 400 before the engine sees it), into its SamplingParams. First, any field kvserve
     would not honour is refused (400 unsupported)."""
     P.check_unsupported(req)
-    params.prompt_logprobs = P.prompt_logprobs_of(req, ctx.limits)
+    params.prompt_logprobs = RP.prompt_logprobs_of(req, ctx.limits)
     so = structured_output(req)
     if so is None:
         return params
@@ -325,7 +327,7 @@ async def _respond(request: Request, stream: bool, gen, make_stream, make_body) 
 
 
 def _add_tokenizer_routes(app: FastAPI) -> None:
-    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=_ERRORS,
+    @app.post("/tokenize", response_model=R.TokenizeResponse, responses=_ERRORS,
               openapi_extra=_body_schema(P.TokenizeRequest))
     async def tokenize(request: Request):
         ctx = serving_context(app)
@@ -342,7 +344,7 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
                                                                       add_special_tokens=req.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": app.state.engine.info.max_model_len}
 
-    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=_ERRORS,
+    @app.post("/detokenize", response_model=R.DetokenizeResponse, responses=_ERRORS,
               openapi_extra=_body_schema(P.DetokenizeRequest))
     async def detokenize(request: Request):
         ctx = serving_context(app)
@@ -363,11 +365,11 @@ def _add_ops_routes(app: FastAPI, aengine: EngineClient) -> None:
         body = {"status": "ok" if ok else "unavailable", "detail": detail}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
-    @app.get("/health", response_model=P.HealthResponse, responses={503: {"model": P.HealthResponse}})
+    @app.get("/health", response_model=R.HealthResponse, responses={503: {"model": R.HealthResponse}})
     async def health():
         return status_response(*aengine.health())
 
-    @app.get("/ready", response_model=P.HealthResponse, responses={503: {"model": P.HealthResponse}})
+    @app.get("/ready", response_model=R.HealthResponse, responses={503: {"model": R.HealthResponse}})
     async def ready():
         return status_response(*aengine.readiness())
 
@@ -375,7 +377,7 @@ def _add_ops_routes(app: FastAPI, aengine: EngineClient) -> None:
     async def metrics():
         return Response(aengine.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/version", response_model=P.VersionResponse)
+    @app.get("/version", response_model=R.VersionResponse)
     async def version():
         return {"version": __version__}
 

@@ -23,7 +23,8 @@ from server import prompts
 from server.generation import Generation
 from server.errors import APIError
 from server.tools import StreamReply, reply_message
-from server.protocol import ChatCompletionRequest, CompletionRequest, Limits, check_prompt_ids, message_dicts
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.request_params import Limits, check_prompt_ids, message_dicts
 
 logger = logging.getLogger("kvserve.server")
 

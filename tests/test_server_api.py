@@ -9,7 +9,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from engine.request import SamplingParams
-from server import protocol as P
+from server import responses as R
 from server_utils import ServerThread, sse_events
 
 PROMPTS = ["Hello world", "The capital of France is", "1, 2, 3,", "Once upon a time"]
@@ -162,11 +162,11 @@ def test_chat_equals_completion_of_the_templated_prompt(server, client):
 
 def test_responses_match_the_declared_schema(server):
     body = {"prompt": PROMPTS[0], "max_tokens": 3, "logprobs": 1, "temperature": 0}
-    P.CompletionResponse.model_validate(httpx.post(server.url("/v1/completions"), json=body, timeout=60).json())
+    R.CompletionResponse.model_validate(httpx.post(server.url("/v1/completions"), json=body, timeout=60).json())
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 3}
-    P.ChatCompletionResponse.model_validate(
+    R.ChatCompletionResponse.model_validate(
         httpx.post(server.url("/v1/chat/completions"), json=body, timeout=60).json())
-    models = P.ModelList.model_validate(httpx.get(server.url("/v1/models")).json())
+    models = R.ModelList.model_validate(httpx.get(server.url("/v1/models")).json())
     assert models.data[0].id == "tiny" and models.data[0].max_model_len == 512
     assert httpx.get(server.url("/version")).json()["version"]
     schema = httpx.get(server.url("/openapi.json")).json()

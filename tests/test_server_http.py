@@ -96,18 +96,19 @@ def test_oversized_headers_are_431(client):
 
 def test_max_tokens_cap_lowers_defaults_and_refuses_more():
     from server import protocol as P
+    from server import request_params as RP
 
-    limits = P.Limits(vocab_size=100, max_n=4, max_logprobs=5, max_stop_sequences=4, max_stop_length=10,
+    limits = RP.Limits(vocab_size=100, max_n=4, max_logprobs=5, max_stop_sequences=4, max_stop_length=10,
                       max_tokens_cap=8)
     completion = P.CompletionRequest.model_validate({"prompt": "x"})
-    assert P.completion_params(completion, limits).max_tokens == 8  # the default 16, lowered to the cap
+    assert RP.completion_params(completion, limits).max_tokens == 8  # the default 16, lowered to the cap
     chat = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
-    assert P.chat_params(chat, limits).max_tokens == 8  # chat's default (no limit), lowered to the cap
+    assert RP.chat_params(chat, limits).max_tokens == 8  # chat's default (no limit), lowered to the cap
     small = P.CompletionRequest.model_validate({"prompt": "x", "max_tokens": 3})
-    assert P.completion_params(small, limits).max_tokens == 3
+    assert RP.completion_params(small, limits).max_tokens == 3
     with pytest.raises(APIError) as err:
-        P.completion_params(P.CompletionRequest.model_validate({"prompt": "x", "max_tokens": 9}), limits)
+        RP.completion_params(P.CompletionRequest.model_validate({"prompt": "x", "max_tokens": 9}), limits)
     assert err.value.code == "invalid_value" and err.value.param == "max_tokens"
-    uncapped = P.Limits(**{**limits.__dict__, "max_tokens_cap": None})
-    assert P.completion_params(completion, uncapped).max_tokens == 16
-    assert P.chat_params(chat, uncapped).max_tokens is None
+    uncapped = RP.Limits(**{**limits.__dict__, "max_tokens_cap": None})
+    assert RP.completion_params(completion, uncapped).max_tokens == 16
+    assert RP.chat_params(chat, uncapped).max_tokens is None

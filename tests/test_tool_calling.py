@@ -218,6 +218,7 @@ def chat(server, **body) -> dict:
 
 def test_conversation_with_tool_calls_reaches_the_template(server):
     from server import protocol as P
+    from server import request_params as RP
     from server.serving import template_options
 
     req = P.ChatCompletionRequest.model_validate({"messages": CONVERSATION, "tools": [WEATHER],
@@ -225,14 +226,14 @@ def test_conversation_with_tool_calls_reaches_the_template(server):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(server.engine_config.model)
-    text = tok.apply_chat_template(P.message_dicts(req.messages), tokenize=False, chat_template=QWEN_STYLE,
+    text = tok.apply_chat_template(RP.message_dicts(req.messages), tokenize=False, chat_template=QWEN_STYLE,
                                    **template_options(req))
     assert '"name": "get_weather"' in text and '{"city": "Paris", "days": 2}' in text
     assert "<tool_response>\nsunny, 21C\n</tool_response>" in text and "<tools>" in text
     assert text.endswith("<think>\n\n</think>\n\n")
     req = P.ChatCompletionRequest.model_validate({"messages": [*CONVERSATION[:1], {
         "role": "assistant", "content": "It is"}], "continue_final_message": True})
-    text = tok.apply_chat_template(P.message_dicts(req.messages), tokenize=False, chat_template=QWEN_STYLE,
+    text = tok.apply_chat_template(RP.message_dicts(req.messages), tokenize=False, chat_template=QWEN_STYLE,
                                    **template_options(req))
     assert text.endswith("<|im_start|>assistant\nIt is")
     body = chat(server, messages=CONVERSATION, tools=[WEATHER], tool_choice="none", max_tokens=4)
