@@ -184,8 +184,10 @@ def server_phase(name: str, start, warm, loads, form: str, raw: Path, clock: Clo
 
 def run_phases(args, warm, loads, model_dir: Path, raw: Path, clock: Clock, record: dict, save) -> tuple[list, list]:
     limits = SMOKE_LIMITS if args.smoke else SERVER_LIMITS
-    phases = [("kvserve", "structured_outputs", lambda t: server_procs.start_kvserve(
-        model_dir, limits + args.kvserve_args.split(), raw / "kvserve-serve.log", t))]
+    phases = []
+    if args.kvserve:
+        phases.append(("kvserve", "structured_outputs", lambda t: server_procs.start_kvserve(
+            model_dir, limits + args.kvserve_args.split(), raw / "kvserve-serve.log", t)))
     if args.vllm:
         phases.append(("vLLM", "structured_outputs", lambda t: server_procs.start_vllm_script(
             Path(args.vllm_serve_script), model_dir, limits + args.vllm_args.split(), t)))
@@ -209,6 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=500.0, help="the whole run; phases that no longer fit are skipped")
     p.add_argument("--repeat", type=int, default=2, help="repetitions of each W-B load (alternated)")
     p.add_argument("--client-workers", type=int, default=4, help="bench serve processes for W-B's loads")
+    p.add_argument("--kvserve", action=argparse.BooleanOptionalAction, default=True, help="measure kvserve's server")
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None, help="default: on, off with --smoke")
     p.add_argument("--vllm-serve-script", default=".carry/peers/vllm_serve.sh")
     p.add_argument("--vllm-args", default="", help="more vLLM server flags, one string")
