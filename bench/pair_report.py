@@ -45,23 +45,31 @@ class PairRun:
     error: str = ""
 
 
+def _schema_check():
+    """jsonschema's validation of SCHEMA when it is installed (the test extras; the H200 image may lack it),
+    else its required keys present at the top level: (check(doc) -> bool, what it checks)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return (lambda doc: isinstance(doc, dict) and all(k in doc for k in SCHEMA["required"])), "required keys"
+    return (lambda doc: jsonschema.Draft202012Validator(SCHEMA).is_valid(doc)), "jsonschema"
+
+
 def json_check(texts: list[str], constrained: list[int]) -> dict:
     """How many constrained outputs start as JSON / hold a whole valid document first (the rest of a fixed
     length output runs free after the document's EOS), and how many free ones start with `{`."""
-    import jsonschema
-
+    valid_doc, how = _schema_check()
     chosen = set(constrained)
     starts = [i for i in chosen if texts[i].lstrip().startswith("{")]
     valid = 0
     for i in starts:
         try:
             doc, _ = json.JSONDecoder().raw_decode(texts[i].lstrip())
-            jsonschema.validate(doc, SCHEMA)
-            valid += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
+        except ValueError:
+            continue
+        valid += bool(valid_doc(doc))
     free = [i for i in range(len(texts)) if i not in chosen]
-    return {"constrained": len(chosen), "json_start": len(starts), "json_whole_valid": valid,
+    return {"constrained": len(chosen), "json_start": len(starts), "json_whole_valid": valid, "validated_by": how,
             "free_json_start": sum(texts[i].lstrip().startswith("{") for i in free)}
 
 

@@ -29,7 +29,14 @@ def test_constrained_indices_are_the_ones_bench_serve_constrains():
 def test_json_check_counts_json_starts_and_whole_valid_documents():
     texts = [VALID + "free tokens after the EOS", ' {"id": 3, "tit', '{"id": -1}', "no json", "{ free"]
     assert json_check(texts, [0, 1, 2, 3]) == {"constrained": 4, "json_start": 3, "json_whole_valid": 1,
-                                               "free_json_start": 1}
+                                               "validated_by": "jsonschema", "free_json_start": 1}
+
+
+def test_without_jsonschema_a_whole_document_needs_the_required_keys(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # the H200 image has no jsonschema
+    check = json_check([VALID, '{"id": 1}', '{"id": 1, "title": "t", "status": "open", "tags": [], "owner": 3}'],
+                       [0, 1, 2])
+    assert (check["json_whole_valid"], check["validated_by"]) == (2, "required keys")
 
 
 def _result(ttfts: list[float], starts: list[float]) -> dict:
@@ -45,7 +52,8 @@ def test_a_ttft_load_leaves_out_the_request_that_started_first():
     assert m["ttft_all_ms"] == pytest.approx([50, 40, 60, 30]) and m["ttft_min_ms"] == pytest.approx(30)
     assert m["ttft_p50_ms"] == pytest.approx(45)
     structured = summarize(_result([0.1] * 4, [0, 1, 2, 3]), PairLoad("W-B json 100%", "wb", 4, 8, 8, 1.0), 0)
-    assert structured["json"] == {"constrained": 4, "json_start": 4, "json_whole_valid": 4, "free_json_start": 0}
+    assert structured["json"] == {"constrained": 4, "json_start": 4, "json_whole_valid": 4,
+                                  "validated_by": "jsonschema", "free_json_start": 0}
 
 
 def _run(system: str, load: str, rep: int, tput: float, ttft: float = 10.0, failed: int = 0, **extra) -> PairRun:
