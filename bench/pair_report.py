@@ -120,7 +120,8 @@ def wb_table(runs: list[PairRun], systems: list[str], loads: list[PairLoad], fig
     """Markdown: one row per load and system (medians), its throughput relative to the same system's 0%
     load, then kvserve / other system."""
     base = next((ld.name for ld in loads if ld.kind == "wb" and not ld.structured_fraction), None)
-    lines = ["| load | system | out tok/s | vs json 0% | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | constrained outputs |",
+    lines = ["| load | system | out tok/s | vs json 0% | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+             "constrained outputs |",
              "|---|---|---|---|---|---|---|---|"]
     for load in (ld for ld in loads if ld.kind == "wb"):
         for s in systems:

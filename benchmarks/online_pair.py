@@ -133,7 +133,8 @@ def measure_system(system: str, url: str, warm: PairLoad, loads: list[PairLoad],
     """The warm-up load, then W-B's loads alternated repetition by repetition, then the TTFT loads. A run
     that fails or no longer fits the deadline is recorded with its reason; after a run that timed out the
     server's remaining runs are skipped (a hung server would time out every one)."""
-    order = [(ld, r) for r in range(max(ld.repeats for ld in loads)) for ld in loads if ld.kind == "wb" and r < ld.repeats]
+    wb = [ld for ld in loads if ld.kind == "wb"]
+    order = [(ld, r) for r in range(max(ld.repeats for ld in wb)) for ld in wb if r < ld.repeats]
     order += [(ld, 0) for ld in loads if ld.kind == "ttft"]
     runs, hung = [], False
     for i, (load, rep) in enumerate([(warm, 0)] + order):
@@ -208,7 +209,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU check: tiny model, few requests, kvserve only")
     p.add_argument("--out", default="online_pair.json", help="the results as JSON")
     p.add_argument("--raw-dir", default=None, help="per-run results and logs (default: OUT's stem + _raw)")
-    p.add_argument("--deadline-s", type=float, default=500.0, help="the whole run; phases that no longer fit are skipped")
+    p.add_argument("--deadline-s", type=float, default=500.0,
+                   help="the whole run; phases that no longer fit are skipped")
     p.add_argument("--repeat", type=int, default=2, help="repetitions of each W-B load (alternated)")
     p.add_argument("--client-workers", type=int, default=4, help="bench serve processes for W-B's loads")
     p.add_argument("--kvserve", action=argparse.BooleanOptionalAction, default=True, help="measure kvserve's server")
