@@ -23,7 +23,7 @@ its own prefix-cache default), run the loads, stop it:
     terminated by it and its rows get a full mask). A random model rarely ends a document within 128 tokens,
     so most constrained requests are under their mask for every token: the worst case for the mask's cost.
     Each server keeps its own defaults for the schema: kvserve compact JSON (no free whitespace) and extra
-    properties allowed; vLLM's xgrammar free whitespace between tokens and no extra properties (compact
+    properties allowed; vLLM's xgrammar free whitespace between JSON elements and no extra properties (compact
     for vLLM too: --vllm-args '--structured-outputs-config {"disable_any_whitespace":true}').
   - TTFT 8k / 32k: 5 prompts of 8,192 / 32,768 random ids -> 8 tokens, one at a time; the first (a fresh
     prompt) is the warm-up, the other 4 give TTFT p50 and min.
