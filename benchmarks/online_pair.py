@@ -84,7 +84,7 @@ def gpu_loads(repeats: int, workers: int) -> tuple[PairLoad, list[PairLoad]]:
 def smoke_loads() -> tuple[PairLoad, list[PairLoad]]:
     vocab = SMOKE_CONFIG["vocab_size"]
     wb = [PairLoad(f"W-B json {round(100 * f)}%", "wb", 8, 16, 12, f, None, 2, 1, vocab) for f in (0.0, 0.2, 1.0)]
-    ttft = [PairLoad(f"TTFT {n}", "ttft", 3, n, 4, 0.0, 1, 1, 1, vocab) for n in (64, 128)]
+    ttft = [PairLoad(f"TTFT {n}", "ttft", 3, n, 4, 0.0, 1, 1, 1, vocab) for n in (64, 200)]  # 200: two chunks
     return PairLoad("warm-up", "wb", 4, 16, 12, 0.5, None, 1, 1, vocab), wb + ttft
 
 

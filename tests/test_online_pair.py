@@ -117,7 +117,7 @@ def _smoke(tmp_path: Path, *extra: str, timeout: int = 150) -> tuple[dict, Path]
 
 def _check_system(record: dict, system: str) -> None:
     runs = [r for r in record["runs"] if r["system"] == system]
-    assert [r["load"] for r in runs] == ["W-B json 0%", "W-B json 20%", "W-B json 100%", "TTFT 64", "TTFT 128"]
+    assert [r["load"] for r in runs] == ["W-B json 0%", "W-B json 20%", "W-B json 100%", "TTFT 64", "TTFT 200"]
     assert all(not r["error"] and r["metrics"]["failed"] == 0 for r in runs)
     by_load = {r["load"]: r["metrics"] for r in runs}
     assert "json" not in by_load["W-B json 0%"]
@@ -126,7 +126,7 @@ def _check_system(record: dict, system: str) -> None:
     assert (some["constrained"], some["json_start"], some["free_json_start"]) == (2, 2, 0)
     every = by_load["W-B json 100%"]["json"]
     assert every["constrained"] == 8 and every["json_start"] == 8  # the constraint was honoured
-    assert len(by_load["TTFT 128"]["ttft_all_ms"]) == 2  # 3 requests, the first one the warm-up
+    assert len(by_load["TTFT 200"]["ttft_all_ms"]) == 2  # 3 requests, the first one the warm-up
     assert record["figures"]["W-B json 0%|" + system]["vs_json0"] == 1.0
 
 
