@@ -1,5 +1,6 @@
 """Random-weight models for hosts without a model hub: the shapes of well-known models (`qwen2.5-0.5b`, the GPU
-issues' model), a word-level tokenizer that decodes every id, and freeing device memory between two systems.
+issues' model), a tokenizer that decodes every id (a word-level "id tokenizer", or a byte-level BPE that can
+spell JSON: bench/bpe_tokenizer.py), and freeing device memory between two systems.
 
 Used by `kvserve bench throughput`, benchmarks/online_wc.py and the profiling scripts in benchmarks/.
 """
@@ -54,8 +55,15 @@ def save_id_tokenizer(vocab_size: int, eos_token_id: int, out_dir: Path) -> None
     fast.save_pretrained(out_dir)
 
 
-def build_random_model(config: dict, out_dir: Path, seed: int = 0) -> Path:
-    """A transformers model of `config` with random weights, saved with save_pretrained (+ a tokenizer)."""
+TOKENIZERS = ("id", "bpe")
+
+
+def build_random_model(config: dict, out_dir: Path, seed: int = 0, tokenizer: str = "id") -> Path:
+    """A transformers model of `config` with random weights, saved with save_pretrained (+ a tokenizer of
+    exactly vocab_size ids, EOS at eos_token_id): `id`, token i is the text `<i>` (no JSON can be spelt with
+    it); `bpe`, a byte-level BPE (bench/bpe_tokenizer.py: every byte expressible, so structured outputs work)."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -67,7 +75,12 @@ def build_random_model(config: dict, out_dir: Path, seed: int = 0) -> Path:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model.save_pretrained(out_dir)
     eos = hf_config.eos_token_id if isinstance(hf_config.eos_token_id, int) else 0
-    save_id_tokenizer(hf_config.vocab_size, eos, out_dir)
+    if tokenizer == "bpe":
+        from bench.bpe_tokenizer import save_bpe_tokenizer
+
+        save_bpe_tokenizer(hf_config.vocab_size, eos, out_dir, seed)
+    else:
+        save_id_tokenizer(hf_config.vocab_size, eos, out_dir)
     return out_dir
 
 

@@ -1,0 +1,154 @@
+"""benchmarks/online_pair.py (kvserve's server beside vLLM's: W-B json 0/20/100%, TTFT of long prompts alone)
+and its report (bench/pair_report.py). The report (two systems' tables, ratios, targets) from made-up runs;
+the script's whole path on the CPU with a tiny model (--smoke), and its vLLM phase through a stand-in for
+vLLM's serve script (kvserve's server behind serve.sh's arguments and output). The figures themselves are
+the GPU run's job."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.pair_report import (PairLoad, PairRun, constrained_indices, json_check, summarize, targets, ttft_table,
+                               wb_table)
+from bench.structured_mix import constrain
+
+REPO = Path(__file__).resolve().parents[1]
+VALID = json.dumps({"id": 1, "title": "t", "status": "open", "tags": [], "owner": {"name": "n", "email": "a@b.cd"}})
+
+
+def test_constrained_indices_are_the_ones_bench_serve_constrains():
+    bodies = constrain([{"prompt": [i]} for i in range(50)], 0.2, seed=7)
+    assert constrained_indices(50, 0.2, 7) == [i for i, b in enumerate(bodies) if "structured_outputs" in b]
+    assert len(constrained_indices(50, 0.2, 7)) == 10 and constrained_indices(4, 1.0, 3) == [0, 1, 2, 3]
+
+
+def test_json_check_counts_json_starts_and_whole_valid_documents():
+    texts = [VALID + "free tokens after the EOS", ' {"id": 3, "tit', '{"id": -1}', "no json", "{ free"]
+    assert json_check(texts, [0, 1, 2, 3]) == {"constrained": 4, "json_start": 3, "json_whole_valid": 1,
+                                               "validated_by": "jsonschema", "free_json_start": 1}
+
+
+def test_without_jsonschema_a_whole_document_needs_the_required_keys(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jsonschema", None)  # the H200 image has no jsonschema
+    check = json_check([VALID, '{"id": 1}', '{"id": 1, "title": "t", "status": "open", "tags": [], "owner": 3}'],
+                       [0, 1, 2])
+    assert (check["json_whole_valid"], check["validated_by"]) == (2, "required keys")
+
+
+def _result(ttfts: list[float], starts: list[float]) -> dict:
+    base = dict(completed=len(ttfts), failed=0, duration=1.0, output_throughput=100.0, total_output_tokens=100,
+                median_ttft_ms=1.0, p99_ttft_ms=2.0, median_tpot_ms=0.5, p99_tpot_ms=0.6, median_itl_ms=0.5,
+                median_e2el_ms=3.0, max_concurrent_requests=1)
+    return {**base, "ttfts": ttfts, "start_times": starts, "generated_texts": [VALID] * len(ttfts)}
+
+
+def test_a_ttft_load_leaves_out_the_request_that_started_first():
+    load = PairLoad("TTFT 8k", "ttft", 5, 8192, 8, max_concurrency=1)
+    m = summarize(_result([0.05, 0.9, 0.04, 0.06, 0.03], [0.3, 0.0, 0.5, 0.7, 0.9]), load, seed=0)
+    assert m["ttft_all_ms"] == pytest.approx([50, 40, 60, 30]) and m["ttft_min_ms"] == pytest.approx(30)
+    assert m["ttft_p50_ms"] == pytest.approx(45)
+    structured = summarize(_result([0.1] * 4, [0, 1, 2, 3]), PairLoad("W-B json 100%", "wb", 4, 8, 8, 1.0), 0)
+    assert structured["json"] == {"constrained": 4, "json_start": 4, "json_whole_valid": 4,
+                                  "validated_by": "jsonschema", "free_json_start": 0}
+
+
+def _run(system: str, load: str, rep: int, tput: float, ttft: float = 10.0, failed: int = 0, **extra) -> PairRun:
+    return PairRun(system, load, rep, metrics=dict(failed=failed, output_throughput=tput, median_ttft_ms=ttft,
+                                                   p99_ttft_ms=2 * ttft, median_tpot_ms=1.0, **extra))
+
+
+def test_tables_ratios_and_targets_from_medians_of_complete_runs():
+    loads = [PairLoad("W-B json 0%", "wb", 256, 512, 128), PairLoad("W-B json 100%", "wb", 256, 512, 128, 1.0),
+             PairLoad("TTFT 8k", "ttft", 5, 8192, 8, max_concurrency=1)]
+    runs = [_run("kvserve", "W-B json 0%", 0, 1000), _run("kvserve", "W-B json 0%", 1, 1200),
+            _run("kvserve", "W-B json 100%", 0, 950), _run("kvserve", "W-B json 100%", 1, 10, failed=3),
+            _run("vLLM", "W-B json 0%", 0, 800), _run("vLLM", "W-B json 100%", 0, 1000),
+            _run("kvserve", "TTFT 8k", 0, 1, ttft_p50_ms=40.0, ttft_min_ms=35.0),
+            _run("vLLM", "TTFT 8k", 0, 1, ttft_p50_ms=50.0, ttft_min_ms=45.0)]
+    figures: dict = {}
+    wb = wb_table(runs, ["kvserve", "vLLM"], loads, figures)
+    assert figures["W-B json 0%|kvserve"]["output_throughput"] == 1100  # median of both
+    assert figures["W-B json 100%|kvserve"]["output_throughput"] == 950  # the run with failures left out
+    assert figures["W-B json 100%|kvserve"]["vs_json0"] == pytest.approx(950 / 1100)
+    assert "| W-B json 100% | kvserve/vLLM | 0.95x | | 1.00x | 1.00x | 1.00x | |" in wb
+    tt = ttft_table(runs, ["kvserve", "vLLM"], loads, figures)
+    assert tt[2] == "| TTFT 8k | 40.0 | 35.0 | 50.0 | 45.0 | 0.80x |"
+    assert targets(figures, ["kvserve", "vLLM"], loads) == [
+        "FAIL  W-B json 100%: kvserve at >= 0.90x its json 0% (0.86x)",
+        "FAIL  W-B json 100%: kvserve out tok/s >= vLLM (0.95x)",
+        "PASS  TTFT 8k: kvserve TTFT p50 <= vLLM (0.80x)"]
+
+
+# ------------------------------------------------------------------------------------ the script, on the CPU
+
+FAKE_VLLM = """#!/usr/bin/env bash
+# A stand-in for .carry/peers/vllm_serve.sh (same arguments, same output): kvserve's server.
+model="$1"; shift; port=8012; wait_s=60; more=()
+while [ $# -gt 0 ]; do
+    case "$1" in --port) port="$2"; shift 2 ;; --wait) wait_s="$2"; shift 2 ;; --) shift; more=("$@"); break ;;
+                 *) shift ;; esac
+done
+log="/tmp/vllm-serve-$port.log"
+PYTHONPATH="{repo}" nohup "{python}" -m server serve --model "$model" --port "$port" "${{more[@]}}" \\
+    > "$log" 2>&1 < /dev/null &
+pid=$!
+echo "vLLM starting, PID $pid, log $log"
+end=$((SECONDS + wait_s))
+while [ "$SECONDS" -lt "$end" ]; do
+    "{python}" -c "import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)" \\
+        "http://127.0.0.1:$port/ready" 2>/dev/null && echo "vLLM up, PID $pid" && exit 0
+    sleep 0.5
+done
+exit 1
+"""
+
+
+def _smoke(tmp_path: Path, *extra: str, timeout: int = 150) -> tuple[dict, Path]:
+    out, raw = tmp_path / "pair.json", tmp_path / "raw"
+    done = subprocess.run([sys.executable, "benchmarks/online_pair.py", "--smoke", "--out", str(out), "--raw-dir",
+                           str(raw), *extra], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text()), raw
+
+
+def _check_system(record: dict, system: str) -> None:
+    runs = [r for r in record["runs"] if r["system"] == system]
+    assert [r["load"] for r in runs] == ["W-B json 0%", "W-B json 20%", "W-B json 100%", "TTFT 64", "TTFT 200"]
+    assert all(not r["error"] and r["metrics"]["failed"] == 0 for r in runs)
+    by_load = {r["load"]: r["metrics"] for r in runs}
+    assert "json" not in by_load["W-B json 0%"]
+    some = by_load["W-B json 20%"]["json"]
+    # round(0.2 * 8) constrained, all JSON; none of the free ones: the report found the ones bench serve chose
+    assert (some["constrained"], some["json_start"], some["free_json_start"]) == (2, 2, 0)
+    every = by_load["W-B json 100%"]["json"]
+    assert every["constrained"] == 8 and every["json_start"] == 8  # the constraint was honoured
+    assert len(by_load["TTFT 200"]["ttft_all_ms"]) == 2  # 3 requests, the first one the warm-up
+    assert record["figures"]["W-B json 0%|" + system]["vs_json0"] == 1.0
+
+
+@pytest.mark.slow
+def test_smoke_runs_the_whole_path_on_the_cpu(tmp_path):
+    record, raw = _smoke(tmp_path)
+    assert record["phases"] == {"kvserve": "measured"} and record["smoke"]
+    _check_system(record, "kvserve")
+    assert (raw / "kvserve-serve.log").stat().st_size > 0 and len(list(raw.glob("kvserve-*.json"))) == 6
+    assert any(line.startswith("| W-B json 100% | kvserve |") for line in record["table"])
+
+
+@pytest.mark.slow
+def test_the_vllm_phase_goes_through_the_serve_script(tmp_path):
+    script = tmp_path / "fake_vllm_serve.sh"
+    script.write_text(FAKE_VLLM.format(repo=REPO, python=sys.executable))
+    record, raw = _smoke(tmp_path, "--no-kvserve", "--vllm", "--vllm-serve-script", str(script))
+    assert record["phases"] == {"vLLM": "measured"}
+    _check_system(record, "vLLM")
+    copied = (raw / "vLLM-serve.log").read_bytes()
+    for log in Path("/tmp").glob("vllm-serve-*.log"):  # where serve.sh (and the stand-in) writes it
+        if log.read_bytes() == copied:
+            log.unlink()
+    assert copied and len(list(raw.glob("vLLM-*.json"))) == 6
+    assert record["figures"]["TTFT 64|ttft"]["vLLM"]["p50_ms"] > 0
