@@ -1,0 +1,103 @@
+"""--data-parallel-size 2 with --api-server-count 2 (`python -m server serve`, a real subprocess): two engine
+cores behind two front-end processes that share the port, each front end spreading its requests over both
+cores by itself. Completions on new connections (the kernel spreads them over the front ends) equal one
+engine's greedy outputs and reach both cores; streams carry the same text; SIGTERM drains streams running on
+both cores, then the launcher, both cores and both front ends exit. One server for the module.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from server_utils import parse_metrics, start, start_server_process, stop_process, wait_for
+
+MODEL = "tiny"
+PROMPTS = [[11 + i, 23, 5 * i + 7, 42, 17 + 3 * i] for i in range(8)]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, base = start_server_process(["--model", model_dir, "--device", "cpu", "--num-kv-blocks", "128",
+                                       "--data-parallel-size", "2", "--api-server-count", "2",
+                                       "--served-model-name", MODEL, "--log-level", "warning"])
+    yield proc, base
+    if proc.poll() is None:
+        stop_process(proc, sig=signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> list[str]:
+    """One engine's greedy texts for PROMPTS."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, device="cpu", num_kv_blocks=64)
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))]
+
+
+def metrics(base: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(base + "/metrics", timeout=10).text)
+
+
+def per_core(m: dict[str, float], name: str) -> list[float]:
+    return [m[f'kvserve_core_{name}{{engine="{i}"}}'] for i in range(2)]
+
+
+def body(prompt, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+def test_completions_equal_one_engine_and_reach_both_cores(server, expected):
+    _, base = server
+    before = metrics(base)
+    for prompt, want in zip(PROMPTS, expected):  # a new connection each
+        r = httpx.post(base + "/v1/completions", json=body(prompt), timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    after = metrics(base)
+    moved = [a - b for a, b in zip(per_core(after, "prompt_tokens_total"), per_core(before, "prompt_tokens_total"))]
+    assert all(n >= 5 for n in moved) and sum(moved) == 5 * len(PROMPTS), moved
+
+
+def test_streams_carry_the_same_text(server, expected):
+    _, base = server
+    calls = [start(base, body(prompt, stream=True)) for prompt in PROMPTS]
+    for call, want in zip(calls, expected):
+        call.join(60)
+        assert call.events[-1] == "[DONE]" and call.finish_reasons == ["length"]
+        assert "".join(c["text"] for e in call.events[:-1] for c in e["choices"]) == want
+
+
+def test_sigterm_drains_both_cores_through_both_front_ends_then_all_exit(server):
+    """Runs last: four streams (each front end dispatches its own over both cores) running at SIGTERM; new
+    work gets 503 while they finish with finish_reason length; exit 0 and no child of the launcher left."""
+    proc, base = server
+    children = psutil.Process(proc.pid).children(recursive=True)
+    titles = sorted(" ".join(p.cmdline()).strip() for p in children)
+    streams = [start(base, body(f"drain {i}", max_tokens=400, ignore_eos=True, stream=True)) for i in range(4)]
+    end = time.monotonic() + 30
+    while not all(n >= 1 for n in per_core(metrics(base), "requests_running")):
+        assert time.monotonic() < end, "both cores never ran at once"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: httpx.get(base + "/ready", timeout=10).status_code == 503, what="/ready to turn 503")
+    refused = httpx.post(base + "/v1/completions", json=body("late"), timeout=10)
+    for s in streams:
+        s.join(60)
+    code, out = stop_process(proc, sig=None, timeout=60)
+    assert titles.count("kvserve::engine-core") == 2
+    assert {"kvserve::api-server-0", "kvserve::api-server-1"} <= set(titles)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+    assert all(s.finish_reasons == ["length"] and s.events[-1] == "[DONE]" for s in streams)
+    assert code == 0 and "Traceback" not in out, out[-3000:]
+    psutil.wait_procs(children, timeout=10)
+    assert not [p.cmdline() for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
