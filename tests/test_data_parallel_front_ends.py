@@ -52,18 +52,31 @@ def per_core(m: dict[str, float], name: str) -> list[float]:
     return [m[f'kvserve_core_{name}{{engine="{i}"}}'] for i in range(2)]
 
 
+def quiet(base: str, span: float = 0.6) -> dict[str, float]:
+    """A scrape once the engine counters have read the same for `span` s (over two heartbeats: every front
+    end has every core's latest stats)."""
+    last, since = None, time.monotonic()
+    while True:
+        m = metrics(base)
+        if m["kvserve_generation_tokens_total"] != last:
+            last, since = m["kvserve_generation_tokens_total"], time.monotonic()
+        elif time.monotonic() - since >= span:
+            return m
+        time.sleep(0.05)
+
+
 def body(prompt, **extra) -> dict:
     return {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
 
 
 def test_completions_equal_one_engine_and_reach_both_cores(server, expected):
     _, base = server
-    before = metrics(base)
+    before = quiet(base)
     for prompt, want in zip(PROMPTS, expected):  # a new connection each
         r = httpx.post(base + "/v1/completions", json=body(prompt), timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
-    after = metrics(base)
+    after = quiet(base)  # the front end that answers may not have run a core's requests: its stats come later
     moved = [a - b for a, b in zip(per_core(after, "prompt_tokens_total"), per_core(before, "prompt_tokens_total"))]
     assert all(n >= 5 for n in moved) and sum(moved) == 5 * len(PROMPTS), moved
 
@@ -75,6 +88,44 @@ def test_streams_carry_the_same_text(server, expected):
         call.join(60)
         assert call.events[-1] == "[DONE]" and call.finish_reasons == ["length"]
         assert "".join(c["text"] for e in call.events[:-1] for c in e["choices"]) == want
+
+
+def settled(base: str, generated: float, timeout: float = 10) -> dict[str, float]:
+    """A scrape whose engine counters show `generated` tokens: each core's stats reach every front end, the
+    ones that ran none of its requests within a heartbeat (0.25 s) of it going idle."""
+    end = time.monotonic() + timeout
+    while (m := metrics(base))["kvserve_generation_tokens_total"] != generated:
+        assert time.monotonic() < end, f"generation tokens {m['kvserve_generation_tokens_total']} != {generated}"
+        time.sleep(0.02)
+    return m
+
+
+def test_metrics_sum_the_front_ends_and_split_the_cores(server):
+    """--api-server-count 2: every scrape sums both front ends' histograms and counters. --data-parallel-size
+    2: one vllm:* and kvserve_core_* series per engine core (engine="0", "1"), each request observed under the
+    core that ran it, whichever front end answers the scrape."""
+    _, base = server
+    before = quiet(base)
+    for i in range(8):  # a new connection each: the kernel spreads them over both front ends
+        r = httpx.post(base + "/v1/completions", json=body(f"hello {i}", max_tokens=3, ignore_eos=True), timeout=60)
+        assert r.status_code == 200, r.text
+    scrapes = [settled(base, before["kvserve_generation_tokens_total"] + 8 * 3) for _ in range(4)]
+
+    def series(name: str, extra: str = "") -> list[str]:  # NAME{engine="i",...} for both cores
+        return [f'{name}{{engine="{i}",{extra}model_name="{MODEL}"}}' for i in range(2)]
+
+    def moved(m: dict[str, float], keys: list[str]) -> list[float]:
+        return [m[k] - before[k] for k in keys]
+
+    for m in scrapes:
+        e2e = moved(m, series("vllm:e2e_request_latency_seconds_count"))
+        assert sum(e2e) == 8 and sum(moved(m, series("vllm:time_to_first_token_seconds_count"))) == 8
+        assert sum(moved(m, series("vllm:request_success_total", 'finished_reason="length",'))) == 8
+        generated = series("vllm:generation_tokens_total")
+        assert moved(m, generated) == [3 * n for n in e2e]  # each core's count agrees with what the front ends saw
+        assert [m[k] for k in generated] == per_core(m, "generation_tokens_total")
+        assert sum(per_core(m, "prompt_tokens_total")) == m["kvserve_prompt_tokens_total"]
+        assert sum(1 for k in m if k.startswith("vllm:num_requests_running{")) == 2  # per core, not per front end
 
 
 def test_sigterm_drains_both_cores_through_both_front_ends_then_all_exit(server):
