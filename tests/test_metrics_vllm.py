@@ -137,3 +137,27 @@ def test_engine_series_are_labelled_per_engine_core():
     assert m['vllm:kv_cache_usage_perc{engine="0",model_name="m"}'] == 0.5
     assert m['vllm:prefix_cache_hits_total{engine="0",model_name="m"}'] == 7
     assert m['vllm:e2e_request_latency_seconds_count{engine="1",model_name="m"}'] == 0
+
+
+def test_kvserve_engine_series_are_summed_over_cores_and_labelled_per_core():
+    """The plain kvserve_* engine series are the cores' sum (one core: its own numbers, as before data
+    parallel); kvserve_core_*{engine="i"} are each core's, of the same type."""
+    from server.metrics import ServerMetrics
+
+    stats = {0: CoreStats(num_running=3, num_blocks_used=5, generation_tokens_total=7),
+             1: CoreStats(num_running=1, num_waiting=2, num_blocks_used=1, generation_tokens_total=4)}
+    metrics = ServerMetrics(lambda: stats[0])
+    single = parse_metrics(metrics.render().decode())
+    assert single["kvserve_requests_running"] == single['kvserve_core_requests_running{engine="0"}'] == 3
+    assert 'kvserve_core_requests_running{engine="1"}' not in single
+    metrics.name_engines("m", lambda: stats)
+    text = metrics.render().decode()
+    m = parse_metrics(text)
+    assert (m["kvserve_requests_running"], m["kvserve_requests_waiting"], m["kvserve_kv_blocks_used"]) == (4, 2, 6)
+    assert m["kvserve_generation_tokens_total"] == 11
+    assert [m[f'kvserve_core_kv_blocks_used{{engine="{i}"}}'] for i in range(2)] == [5, 1]
+    assert [m[f'kvserve_core_generation_tokens_total{{engine="{i}"}}'] for i in range(2)] == [7, 4]
+    kinds = families(text)
+    assert kinds["kvserve_core_kv_blocks_used"].type == kinds["kvserve_kv_blocks_used"].type == "gauge"
+    assert kinds["kvserve_core_generation_tokens"].type == "counter"
+
