@@ -133,8 +133,8 @@ def wait_cores(base: str, want: dict[str, list[float]], timeout: float = 30) -> 
 
 
 class HeldStream:
-    """A streaming completion held open on its own connection, read one event at a time; close() is the
-    client hanging up."""
+    """A streaming completion held open on its own connection, read one event at a time; leaving the
+    ExitStack is the client hanging up."""
 
     def __init__(self, stack: contextlib.ExitStack, base: str, body: dict):
         http = stack.enter_context(httpx.Client(base_url=base, timeout=60))
