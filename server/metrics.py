@@ -1,9 +1,9 @@
 """Prometheus metrics, in a registry per app (two servers in one process never share counters).
 
-Engine-side numbers (queue lengths, KV blocks, prefix cache, token counters) are read at scrape time from the
-latest CoreStats the engine core sent (every step, and every 0.25 s while idle); latencies and finishes are
-observed by the front end as outputs arrive. Beside them, the vLLM-named series routers and autoscalers read
-(server/metrics_vllm.py), from the same numbers.
+Engine-side numbers (queue lengths, KV blocks, prefix cache, token counters) are read at scrape time from
+the latest CoreStats each engine core sent (every step, and every 0.25 s while idle), summed over the cores
+and per core; latencies and finishes are observed by the front end as outputs arrive. Beside them, the
+vLLM-named series routers and autoscalers read (server/metrics_vllm.py), from the same numbers.
 """
 from __future__ import annotations
 
@@ -21,33 +21,41 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
 
-class _EngineStatsCollector:
-    """Gauges and cumulative counters straight from the engine core's latest CoreStats."""
+_GAUGES = (("requests_running", "completions running in the batch", "num_running"),
+           ("requests_waiting", "completions waiting in the engine's queue", "num_waiting"),
+           ("kv_blocks_total", "KV-cache blocks in the pool", "num_blocks_total"),
+           ("kv_blocks_used", "KV-cache blocks held by live requests (not evictable cache)", "num_blocks_used"),
+           ("kv_blocks_cached", "evictable prefix-cache blocks", "num_blocks_cached"))
+_COUNTERS = (("prefix_cache_queries", "prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+             ("prefix_cache_hits", "prompt tokens found in the prefix cache", "prefix_cache_hits"),
+             ("preemptions", "requests preempted for lack of KV blocks", "num_preemptions"),
+             ("prompt_tokens", "prompt tokens admitted", "prompt_tokens_total"),
+             ("generation_tokens", "tokens generated", "generation_tokens_total"),
+             ("engine_steps", "engine steps run", "num_steps"),
+             ("idle_invariant_violations", "times the engine went idle with KV blocks still held by no request",
+              "idle_invariant_violations"))
 
-    def __init__(self, snapshot: Callable[[], object]):
-        self._snapshot = snapshot
+
+class _EngineStatsCollector:
+    """Gauges and cumulative counters straight from the engine cores' latest CoreStats, twice: summed over
+    the cores under the plain names (`kvserve_kv_blocks_used`: what one core reported before data parallel,
+    so single-core dashboards read the same series), and per core as `kvserve_core_*{engine="i"}` (the label
+    the vllm:* series use), whose sum over `engine` is the plain series. Separate names, so a PromQL sum()
+    over either never counts a core twice."""
+
+    def __init__(self, per_engine: Callable[[], Mapping[int, object]]):
+        self._per_engine = per_engine
 
     def collect(self):
-        stats = self._snapshot()
-        gauges = (("kvserve_requests_running", "completions running in the batch", "num_running"),
-                  ("kvserve_requests_waiting", "completions waiting in the engine's queue", "num_waiting"),
-                  ("kvserve_kv_blocks_total", "KV-cache blocks in the pool", "num_blocks_total"),
-                  ("kvserve_kv_blocks_used", "KV-cache blocks held by live requests (not evictable cache)",
-                   "num_blocks_used"),
-                  ("kvserve_kv_blocks_cached", "evictable prefix-cache blocks", "num_blocks_cached"))
-        for name, doc, attr in gauges:
-            yield GaugeMetricFamily(name, doc, value=getattr(stats, attr))
-        counters = (("kvserve_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-                     "prefix_cache_queries"),
-                    ("kvserve_prefix_cache_hits", "prompt tokens found in the prefix cache", "prefix_cache_hits"),
-                    ("kvserve_preemptions", "requests preempted for lack of KV blocks", "num_preemptions"),
-                    ("kvserve_prompt_tokens", "prompt tokens admitted", "prompt_tokens_total"),
-                    ("kvserve_generation_tokens", "tokens generated", "generation_tokens_total"),
-                    ("kvserve_engine_steps", "engine steps run", "num_steps"),
-                    ("kvserve_idle_invariant_violations",
-                     "times the engine went idle with KV blocks still held by no request", "idle_invariant_violations"))
-        for name, doc, attr in counters:
-            yield CounterMetricFamily(name, doc, value=getattr(stats, attr))
+        engines = sorted(self._per_engine().items())  # one read: the sums are of the very numbers shown per core
+        for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, doc, attr in table:
+                total = sum(getattr(stats, attr) for _, stats in engines)
+                yield kind(f"kvserve_{name}", f"{doc} (all engine cores)", value=total)
+                per_core = kind(f"kvserve_core_{name}", f"{doc}, per engine core", labels=("engine",))
+                for index, stats in engines:
+                    per_core.add_metric((str(index),), getattr(stats, attr))
+                yield per_core
 
 
 class ServerMetrics:
@@ -59,7 +67,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.vllm = VllmRequestMetrics(self.registry)
         self._per_engine: Callable[[], Mapping[int, object]] = lambda: {0: snapshot()}
-        self._engine = (_EngineStatsCollector(snapshot),
+        self._engine = (_EngineStatsCollector(lambda: self._per_engine()),
                         VllmEngineCollector(lambda: self._per_engine(), lambda: self.vllm.model_name))
         self._render_registry = self._rendering(multiprocess_dir)
         r = self.registry
@@ -82,8 +90,9 @@ class ServerMetrics:
             self.finished.labels(reason)  # present at 0 from the start
 
     def name_engines(self, model_name: str, per_engine: Callable[[], Mapping[int, object]] | None = None) -> None:
-        """Labels of the vllm:* series: model_name, and engine="i" per engine core, whose CoreStats
-        per_engine() returns as {i: CoreStats} (default: the one snapshot as engine 0). Before any request."""
+        """Labels of the per-core series (vllm:*, kvserve_core_*): model_name, and engine="i" per engine core,
+        whose CoreStats per_engine() returns as {i: CoreStats} (default: the one snapshot as engine 0). Before
+        any request."""
         if per_engine is not None:
             self._per_engine = per_engine
         self.vllm.start(model_name, engines=len(self._per_engine()))
