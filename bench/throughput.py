@@ -201,7 +201,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
 def run_all(args, model_path: Path, w: Workload, methods: list[str]) -> list[Measurement]:
     """Each system in turn (load, warm up, `repeat` runs, free), or with --interleave all loaded at once
     and their runs interleaved round by round (CPU comparisons: nothing there needs freeing in between)."""
-    from engine.engine import resolve_device, resolve_dtype
+    from engine.setup import resolve_device, resolve_dtype
 
     preparers = []
     for backend in [b.strip() for b in args.attention_backend.split(",") if b.strip()]:

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import explain_backend_choice, load_backend
-from attention.base import DEFAULT_BLOCK_SIZE
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
@@ -18,25 +16,13 @@ from engine.request import (FINISHED, FinishReason, Request, RequestError, Sampl
                             TokenLogprob, completion_id)
 from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block, profile_step_peak_bytes
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.setup import choose_backend, eos_ids, resolve_device, resolve_dtype
 from engine.grammar import GrammarLimits
 from engine.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 CUDA_GRAPH_RESERVE = 512 << 20  # bytes kept back for captured graphs' private memory pool
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def choose_backend(config: EngineConfig, device: torch.device, head_dim: int, dtype: torch.dtype):
-    """(attention backend, why it was chosen, KV block size). An unset block size is the backend's preferred
-    one (AttentionBackend.preferred_block_size); "auto" chooses its backend at 16 first."""
-    name, block_size = config.attention_backend, config.block_size
-    trial = block_size or (DEFAULT_BLOCK_SIZE if name == "auto" else
-                           load_backend(name).preferred_block_size(head_dim, device))
-    backend, reason = explain_backend_choice(name, device, head_dim, trial, dtype)
-    block_size = block_size or backend.preferred_block_size(head_dim, device)
-    backend.check_config(head_dim, block_size, device)
-    return backend, reason, block_size
 
 
 @dataclass
@@ -77,28 +63,6 @@ def needs_history(params: SamplingParams) -> bool:
     """Whether sampling this request's next token needs all its earlier tokens on the host."""
     return bool(params.min_tokens or params.presence_penalty or params.frequency_penalty
                 or params.repetition_penalty != 1.0)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def eos_ids(hf_config, tokenizer) -> frozenset[int]:
-    ids = getattr(hf_config, "eos_token_id", None)
-    ids = ids if isinstance(ids, list) else [ids]
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return frozenset(i for i in ids if i is not None)
 
 
 class LLMEngine:

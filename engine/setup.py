@@ -1,0 +1,45 @@
+"""What an engine is built from, resolved in one place: the device, the dtype, the attention backend with
+its KV block size, and the EOS ids."""
+from __future__ import annotations
+
+import torch
+
+from attention import explain_backend_choice, load_backend
+from attention.base import DEFAULT_BLOCK_SIZE
+from engine.config import EngineConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def choose_backend(config: EngineConfig, device: torch.device, head_dim: int, dtype: torch.dtype):
+    """(attention backend, why it was chosen, KV block size). An unset block size is the backend's preferred
+    one (AttentionBackend.preferred_block_size); "auto" chooses its backend at 16 first."""
+    name, block_size = config.attention_backend, config.block_size
+    trial = block_size or (DEFAULT_BLOCK_SIZE if name == "auto" else
+                           load_backend(name).preferred_block_size(head_dim, device))
+    backend, reason = explain_backend_choice(name, device, head_dim, trial, dtype)
+    block_size = block_size or backend.preferred_block_size(head_dim, device)
+    backend.check_config(head_dim, block_size, device)
+    return backend, reason, block_size
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TORCH_DTYPES[name]
+
+
+def eos_ids(hf_config, tokenizer) -> frozenset[int]:
+    ids = getattr(hf_config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(i for i in ids if i is not None)
