@@ -5,6 +5,7 @@ GPU, or the device budget, past its phase.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -14,10 +15,45 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Clock:
+    """Timestamps for the log and the one deadline every phase's timeout is cut to."""
+    deadline_s: float
+    start: float = field(default_factory=time.monotonic)
+
+    def left(self) -> float:
+        return self.deadline_s - (time.monotonic() - self.start)
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - self.start:6.1f}s] {msg}", flush=True)
+
+
+def kvserve_env() -> dict:
+    """This environment with the checkout first on PYTHONPATH: kvserve runs from it without an install."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def run_bench_serve(args: list[str], out: Path, timeout_s: float) -> dict:
+    """`python -m bench.serve ARGS --result-json OUT` in its own process group (killed, clients and all, at
+    timeout_s); the result JSON it wrote. RuntimeError if it failed."""
+    cmd = [sys.executable, "-m", "bench.serve", *args, "--result-json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=kvserve_env(), start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench serve failed ({proc.returncode}): {stderr[-1500:]}")
+    return json.loads(out.read_text())
 
 
 @dataclass
@@ -118,8 +154,7 @@ def _signal(pid: int, sig: int) -> None:
 def start_kvserve(model_dir: Path, args: list[str], log: Path, timeout_s: float) -> ServerProc:
     """`python -m server serve` from this checkout, ready when /ready answers (every front end up)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
+    env = {**kvserve_env(), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "server", "serve", "--model", str(model_dir), "--port", str(port), *args]
     with open(log, "w") as out:
         popen = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)

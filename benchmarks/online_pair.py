@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -59,19 +57,6 @@ SMOKE_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "h
                 "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256,
                 "bos_token_id": 0, "eos_token_id": 1}
-
-
-@dataclass
-class Clock:
-    """Timestamps for the log and the one deadline every phase's timeout is cut to."""
-    deadline_s: float
-    start: float = field(default_factory=time.monotonic)
-
-    def left(self) -> float:
-        return self.deadline_s - (time.monotonic() - self.start)
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - self.start:6.1f}s] {msg}", flush=True)
 
 
 def gpu_loads(repeats: int, workers: int) -> tuple[PairLoad, list[PairLoad]]:
@@ -93,30 +78,16 @@ def smoke_loads() -> tuple[PairLoad, list[PairLoad]]:
 
 def bench_serve(url: str, load: PairLoad, seed: int, form: str, out: Path, timeout_s: float) -> dict:
     """One `bench serve` run in its own process group (killed at timeout_s); its summary figures."""
-    cmd = [sys.executable, "-m", "bench.serve", "--base-url", url, "--num-prompts", str(load.num_prompts),
+    cmd = ["--base-url", url, "--num-prompts", str(load.num_prompts),
            "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
            "--random-vocab-size", str(load.prompt_vocab), "--num-workers", str(load.workers), "--seed", str(seed),
            "--request-timeout", str(max(10.0, timeout_s - 10)), "--percentiles", "50,90,99", "--disable-tqdm",
-           "--result-json", str(out), "--structured-fraction", str(load.structured_fraction),
+           "--structured-fraction", str(load.structured_fraction),
            "--structured-form", form, "--num-warmups", "0" if load.kind == "ttft" else "1"]
     if load.max_concurrency:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
-    proc = subprocess.Popen(cmd, cwd=server_procs.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_kvserve_env(), start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench serve failed ({proc.returncode}): {stderr[-1500:]}")
-    return summarize(json.loads(out.read_text()), load, seed)
+    return summarize(server_procs.run_bench_serve(cmd, out, timeout_s), load, seed)
 
-
-def _kvserve_env() -> dict:
-    root = str(server_procs.REPO)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def _brief(m: dict) -> str:
@@ -132,7 +103,7 @@ def _brief(m: dict) -> str:
 
 
 def measure_system(system: str, url: str, warm: PairLoad, loads: list[PairLoad], form: str, raw: Path,
-                   clock: Clock, args) -> list[PairRun]:
+                   clock: server_procs.Clock, args) -> list[PairRun]:
     """The warm-up load, then W-B's loads alternated repetition by repetition, then the TTFT loads. A run
     that fails or no longer fits the deadline is recorded with its reason; after a run that timed out the
     server's remaining runs are skipped (a hung server would time out every one)."""
@@ -163,7 +134,7 @@ def measure_system(system: str, url: str, warm: PairLoad, loads: list[PairLoad],
 # ----------------------------------------------------------------------------------------------- phases
 
 
-def server_phase(name: str, start, warm, loads, form: str, raw: Path, clock: Clock, args) -> tuple[list, str]:
+def server_phase(name: str, start, warm, loads, form: str, raw: Path, clock: server_procs.Clock, args) -> tuple[list, str]:
     """Start a server (under the start timeout), measure every load, stop it whatever happens."""
     if clock.left() < args.min_phase_s:
         clock.log(f"{name}: skipped, {clock.left():.0f} s left")
@@ -186,7 +157,7 @@ def server_phase(name: str, start, warm, loads, form: str, raw: Path, clock: Clo
         clock.log(f"{name}: stopped")
 
 
-def run_phases(args, warm, loads, model_dir: Path, raw: Path, clock: Clock, record: dict, save) -> tuple[list, list]:
+def run_phases(args, warm, loads, model_dir: Path, raw: Path, clock: server_procs.Clock, record: dict, save) -> tuple[list, list]:
     limits = SMOKE_LIMITS if args.smoke else SERVER_LIMITS
     phases = []
     if args.kvserve:
@@ -231,7 +202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    clock = Clock(args.deadline_s)
+    clock = server_procs.Clock(args.deadline_s)
     out = Path(args.out)
     raw = Path(args.raw_dir or out.with_name(out.stem + "_raw"))
     raw.mkdir(parents=True, exist_ok=True)

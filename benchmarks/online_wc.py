@@ -27,12 +27,11 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -55,19 +54,6 @@ class Shape:
     output_len: int
     vocab: int  # prompt ids from [0, vocab)
 
-@dataclass
-class Clock:
-    """Timestamps for the log and the one deadline every phase's timeout is cut to."""
-    deadline_s: float
-    start: float = field(default_factory=time.monotonic)
-
-    def left(self) -> float:
-        return self.deadline_s - (time.monotonic() - self.start)
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - self.start:6.1f}s] {msg}", flush=True)
-
-
 def gpu_loads(workers: int, repeats: int) -> list[Load]:
     return [Load("256 at once", 256, math.inf, None, workers, repeats),
             Load("1024 at once", 1024, math.inf, None, workers, repeats),
@@ -89,35 +75,19 @@ SUMMARY_KEYS = ("completed", "failed", "duration", "output_throughput", "total_o
 
 def bench_serve(url: str, load: Load, shape: Shape, seed: int, out: Path, timeout_s: float) -> dict:
     """One `bench serve` run in its own process (killed at timeout_s); its summary figures."""
-    cmd = [sys.executable, "-m", "bench.serve", "--base-url", url, "--num-prompts", str(load.num_prompts),
+    cmd = ["--base-url", url, "--num-prompts", str(load.num_prompts),
            "--random-input-len", str(shape.input_len), "--random-output-len", str(shape.output_len),
            "--random-vocab-size", str(shape.vocab), "--request-rate", str(load.request_rate),
            "--num-workers", str(load.workers), "--seed", str(seed), "--num-warmups", "1",
-           "--request-timeout", str(max(10.0, timeout_s - 10)), "--percentiles", "50,90,99",
-           "--disable-tqdm", "--result-json", str(out)]
+           "--request-timeout", str(max(10.0, timeout_s - 10)), "--percentiles", "50,90,99", "--disable-tqdm"]
     if load.max_concurrency:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
-    # its own process group: at the timeout its client processes go with it
-    proc = subprocess.Popen(cmd, cwd=server_procs.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_kvserve_env(), start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"bench serve failed ({proc.returncode}): {stderr[-1500:]}")
-    result = json.loads(out.read_text())
+    result = server_procs.run_bench_serve(cmd, out, timeout_s)
     return {k: result[k] for k in SUMMARY_KEYS}
 
 
-def _kvserve_env() -> dict:
-    root = str(server_procs.REPO)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
-
-def measure_system(system: str, url: str, loads: list[Load], shape: Shape, raw: Path, clock: Clock,
+def measure_system(system: str, url: str, loads: list[Load], shape: Shape, raw: Path, clock: server_procs.Clock,
                    run_timeout_s: float) -> list[Run]:
     """A short unrecorded warm-up load, then every load; the loads at once alternate, repetition by
     repetition. A run that fails or no longer fits the deadline is recorded with its reason; after a run
@@ -155,7 +125,7 @@ def _brief(m: dict) -> str:
 # ----------------------------------------------------------------------------------------------- phases
 
 
-def offline_wb(model_dir: Path, args, raw: Path, clock: Clock) -> dict:
+def offline_wb(model_dir: Path, args, raw: Path, clock: server_procs.Clock) -> dict:
     """kvserve's offline throughput on this model: W-B (or, --smoke, the smoke load's shape on the CPU)."""
     out = raw / "offline.json"
     workload = (["--dataset", "random", "--num-prompts", "16", "--random-input-len", "16",
@@ -163,7 +133,7 @@ def offline_wb(model_dir: Path, args, raw: Path, clock: Clock) -> dict:
                 ["--preset", "wb", *SERVER_LIMITS, "--skip-tokenizer-init", "--repeat", "3"])
     cmd = [sys.executable, "-m", "bench.throughput", "--model", str(model_dir), *workload, "--out", str(out)]
     clock.log(f"kvserve offline: $ {' '.join(cmd)}")
-    env = _kvserve_env()
+    env = server_procs.kvserve_env()
     if args.smoke:  # the threads the engine-core process takes on a CPU (engine/core/process.py): a core for
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) - 1))  # the rest; all of them spin, loaded
     with open(raw / "offline.log", "w") as log:
@@ -222,7 +192,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    clock = Clock(args.deadline_s)
+    clock = server_procs.Clock(args.deadline_s)
     out = Path(args.out)
     raw = Path(args.raw_dir or out.with_name(out.stem + "_raw"))
     raw.mkdir(parents=True, exist_ok=True)
@@ -250,7 +220,7 @@ def main() -> int:
     return 0 if runs and not any(r.error for r in runs) else 1
 
 
-def run_phases(args, loads, shape, tmp: Path, raw: Path, clock: Clock, record: dict, save):
+def run_phases(args, loads, shape, tmp: Path, raw: Path, clock: server_procs.Clock, record: dict, save):
     config = SMOKE_CONFIG if args.smoke else parse_model_config("qwen2.5-0.5b")
     clock.log(f"building a random-weight {config['architectures'][0]} in {tmp}")
     model_dir = build_random_model(config, tmp)
