@@ -79,6 +79,11 @@ class AttentionImpl:
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         raise NotImplementedError
 
+    def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, metas: list[AttentionMetadata]) -> None:
+        """Compile now every kernel variant an eager step of the shapes in `metas` may pick later, so none
+        compiles mid-serving (none here; JIT backends override it). The metas' slots are PAD_SLOT_ID: nothing
+        is written to the caches."""
+
 
 class AttentionBackend:
     name: str = ""

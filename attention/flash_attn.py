@@ -87,6 +87,15 @@ class FlashAttn4Impl(AttentionImpl):
             num_splits=1)
         return out  # [num_tokens, num_heads, head_dim]
 
+    def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, metas: list[AttentionMetadata]) -> None:
+        """flash-attn-4 compiles its kernel (CuTe DSL) on the first call with a new compile key, which holds no
+        length: one call per meta compiles what a step of that kind needs. Otherwise the first long prompt a
+        server sees waits for the compile."""
+        for meta in metas:
+            query = key_cache.new_zeros((meta.num_tokens, self.num_heads, self.head_dim))
+            kv = key_cache.new_zeros((meta.num_tokens, self.num_kv_heads, self.head_dim))
+            self.forward(query, kv, kv, key_cache, value_cache, meta)
+
 
 def flash_attn_4_block_size(head_dim: int, device: torch.device) -> int:
     """128 on Hopper for head dims up to 128: flash-attn-4's SM90 forward walks keys in tiles of 128 there and

@@ -41,6 +41,10 @@ class HybridAttentionImpl(AttentionImpl):
         impl = self.prefill if long_prefill else self.decode
         return impl.forward(query, key, value, key_cache, value_cache, meta)
 
+    def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, metas: list[AttentionMetadata]) -> None:
+        self.decode.warm_up(key_cache, value_cache, metas)
+        self.prefill.warm_up(key_cache, value_cache, [m for m in metas if m.num_prefills])
+
 
 class HybridAttentionBackend(AttentionBackend):
     name = "triton+flash-attn-4"

@@ -208,3 +208,10 @@ def _started(proc: ServerProc, path: str, timeout_s: float, command: str) -> Non
     except RuntimeError:
         stop(proc)
         raise
+
+
+def last_traceback(log: str, lines: int = 40) -> str:
+    """The server log's last traceback (a failed run's cause: its HTTP error body may be empty), or its tail."""
+    at = log.rfind("Traceback (most recent call last)")
+    text = log[at:] if at >= 0 else log
+    return "\n".join(text.splitlines()[:lines] if at >= 0 else text.splitlines()[-lines:])

@@ -147,14 +147,19 @@ def server_phase(name: str, start, warm, loads, form: str, raw: Path, clock: ser
         clock.log(f"{name}: did not start: {e}")
         return [], f"did not start: {e}"[:3000]
     clock.log(f"{name}: up at {proc.base_url} (pid {proc.pid}) after {time.monotonic() - t0:.0f} s")
+    runs = []
     try:
-        return measure_system(name, proc.base_url, warm, loads, form, raw, clock, args), "measured"
+        runs = measure_system(name, proc.base_url, warm, loads, form, raw, clock, args)
+        return runs, "measured"
     finally:
         clock.log(f"{name}: stopping")
         server_procs.stop(proc)
         if proc.log.exists() and proc.log.parent != raw:
             shutil.copy(proc.log, raw / f"{name}-serve.log")
         clock.log(f"{name}: stopped")
+        if any(r.error for r in runs) and proc.log.exists():
+            print(server_procs.last_traceback(proc.log.read_text(errors="replace")), flush=True)
+
 
 
 def run_phases(args, warm, loads, model_dir: Path, raw: Path, clock: server_procs.Clock, record: dict, save) -> tuple[list, list]:

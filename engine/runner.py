@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention.base import GraphSupport
+from attention.base import PAD_SLOT_ID, GraphSupport
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
 from engine.malloc import trim_free_memory
@@ -203,6 +203,8 @@ class ModelRunner:
                 self.mixed_graphs = self.make_graphs(max_num_seqs, max_model_len, max_num_batched_tokens,
                                                      capture=True)
                 self.mixed_graphs.capture(pool)
+        if device.type == "cuda":
+            self.warm_up_attention(max_num_seqs)
 
     def warm_up(self) -> None:
         """CPU, packed weights: build oneDNN's primitive for every shape a step can use, now. oneDNN keys
@@ -213,6 +215,18 @@ class ModelRunner:
         self.model.warm_up_packed(*self._warm_rows)
         self._warm_threads = torch.get_num_threads()
         trim_free_memory()  # the warm-up's large buffers, freed into the arena (engine/malloc.py)
+
+    def warm_up_attention(self, max_num_seqs: int) -> None:
+        """Compile the attention kernels eager steps use: prompt chunks always, decode-only batches when no
+        decode graph covers them. CUDA graphs compile what they capture; this covers the rest."""
+        eager_decodes = self.decode_graphs is None or max_num_seqs > max(self.decode_graphs.sizes)
+        shapes = [SeqSpec(0, 2, [0])] + ([SeqSpec(1, 1, [0])] if eager_decodes else [])
+        metas = [self.builder.build([spec]) for spec in shapes]
+        for meta in metas:
+            meta.slot_mapping.fill_(PAD_SLOT_ID)  # block 0 is only read
+        impl = self.model.layers[0].self_attn.attn
+        impl.warm_up(*self.kv_caches[0], metas)
+        torch.cuda.synchronize()
 
     def _check_warm(self) -> None:
         # A changed thread count would make every matmul shape a primitive-cache miss, built lazily while

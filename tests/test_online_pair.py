@@ -14,6 +14,7 @@ import pytest
 
 from bench.pair_report import (PairLoad, PairRun, constrained_indices, json_check, summarize, targets, ttft_table,
                                wb_table)
+from bench import server_procs
 from bench.structured_mix import constrain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,3 +153,13 @@ def test_the_vllm_phase_goes_through_the_serve_script(tmp_path):
             log.unlink()
     assert copied and len(list(raw.glob("vLLM-*.json"))) == 6
     assert record["figures"]["TTFT 64|ttft"]["vLLM"]["p50_ms"] > 0
+
+
+def test_a_failed_run_shows_the_server_logs_last_traceback():
+    """vLLM's 500s had an empty message: the cause is only in its log, so the log's last traceback is shown."""
+    log = "INFO start\nTraceback (most recent call last):\n  old\nKeyError: 1\nINFO ok\n" \
+          "Traceback (most recent call last):\n  File \"x.py\"\nModuleNotFoundError: No module named 'lm'\nINFO after"
+    shown = server_procs.last_traceback(log, lines=3)
+    assert shown.splitlines() == ["Traceback (most recent call last):", '  File "x.py"',
+                                  "ModuleNotFoundError: No module named 'lm'"]
+    assert server_procs.last_traceback("a\nb\nc", lines=2) == "b\nc"  # no traceback: the tail
