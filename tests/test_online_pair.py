@@ -163,3 +163,15 @@ def test_a_failed_run_shows_the_server_logs_last_traceback():
     assert shown.splitlines() == ["Traceback (most recent call last):", '  File "x.py"',
                                   "ModuleNotFoundError: No module named 'lm'"]
     assert server_procs.last_traceback("a\nb\nc", lines=2) == "b\nc"  # no traceback: the tail
+
+
+def test_a_run_with_a_few_failed_requests_counts_and_the_table_says_so():
+    """vLLM failed 5 of 256 constrained requests in one run: its throughput still counts (over the rest),
+    flagged; a run where more than 5% failed does not."""
+    loads = [PairLoad("W-B json 100%", "wb", 256, 512, 128, 1.0)]
+    runs = [_run("vLLM", "W-B json 100%", 0, 1000, completed=251, failed=5),
+            _run("vLLM", "W-B json 100%", 1, 10, completed=200, failed=56)]
+    figures: dict = {}
+    table = wb_table(runs, ["vLLM"], loads, figures)
+    assert figures["W-B json 100%|vLLM"]["output_throughput"] == 1000
+    assert table[-1].endswith("| 61 failed |")
