@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,7 +107,9 @@ def _lifespan(client: EngineClient, settings: ServerSettings):
     async def lifespan(app: FastAPI):
         executor = ThreadPoolExecutor(max_workers=settings.tokenizer_workers, thread_name_prefix="kvserve-tokenize")
         app.state.executor = executor
-        quiet_accept_errors(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        quiet_accept_errors(loop)
+        logger.info("front end %d: event loop %s.%s", os.getpid(), type(loop).__module__, type(loop).__name__)
         await client.start()
         try:
             yield

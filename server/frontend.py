@@ -49,7 +49,7 @@ def uvicorn_config(app, settings) -> uvicorn.Config:
                         settings.write_timeout)
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                           lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=settings.keep_alive_timeout,
-                          http=guarded_protocol(limits), log_config=_log_config())
+                          http=guarded_protocol(limits), log_config=_log_config(), loop=settings.loop)
 
 
 class RedactQuery(logging.Filter):

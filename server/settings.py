@@ -23,6 +23,7 @@ ENV_PREFIX = "KVSERVE_"
 # KVSERVE_* variables that are not options: the config file's path, and the loader's cache directory.
 NOT_OPTIONS = (ENV_PREFIX + "CONFIG", ENV_PREFIX + "CACHE_DIR")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)
     log_requests: bool = False
     log_level: str = "info"
+    loop: str = "auto"  # the front ends' event loop: uvicorn's choice (auto: uvloop when installed)
     api_server_count: int | None = None  # None: default_api_server_count()
     stream_interval: int = 1
     data_parallel_size: int = 1
@@ -95,6 +97,7 @@ class ServerSettings:
         need(all(self.served_model_name), "served_model_name: names must not be empty")
         need(self.retry_after >= 0, "retry_after must be >= 0")
         need(self.log_level in LOG_LEVELS, f"log_level must be one of {LOG_LEVELS}")
+        need(self.loop in EVENT_LOOPS, f"loop must be one of {EVENT_LOOPS}")
         need(self.api_server_count is None or 1 <= self.api_server_count <= 64, "api_server_count must be in [1, 64]")
         need(self.stream_interval >= 1, "stream_interval must be >= 1")
         need(1 <= self.data_parallel_size <= 64, "data_parallel_size must be in [1, 64]")
@@ -184,6 +187,7 @@ SERVER_HELP = {
     "cors_origins": "comma-separated origins allowed by CORS (default: CORS off)",
     "log_requests": "log prompts and outputs (off by default: they may be private)",
     "log_level": f"log level {LOG_LEVELS}",
+    "loop": f"front ends' event loop {EVENT_LOOPS}; auto = uvloop when installed, else asyncio's own",
     "api_server_count": "HTTP front-end processes sharing the one engine core (each stream is served by one); "
                         "default: cores // 4, between 1 and 4",
     "data_parallel_size": "engine-core processes, each a whole copy of the model (one GPU each on CUDA); every "
