@@ -3,11 +3,11 @@ the server drives it from the engine-core process (engine/core/), offline LLM.ge
 from __future__ import annotations
 
 import logging
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
 
+from engine.admission import GrammarAdmission
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
@@ -50,13 +50,6 @@ class _Child:
     """A completion made but not yet queued: registered only once the scheduler accepted the request."""
     request: Request
     completion: _Completion
-
-
-@dataclass
-class _Compiling:
-    """A structured request's completions, queued once their grammar is compiled."""
-    requests: list[Request]
-    grammar: Future
 
 
 def needs_history(params: SamplingParams) -> bool:
@@ -105,7 +98,7 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.eos_token_ids,
             GrammarLimits(config.grammar_max_size, config.grammar_compile_fuel))
         self.runner.structured = self.structured
-        self._compiling: list[_Compiling] = []  # structured requests waiting for their grammar
+        self._grammars = GrammarAdmission(self.structured, self.scheduler)  # structured requests, compiling
         self._log_start()
 
     def _num_blocks_from_memory(self, model) -> int:
@@ -140,7 +133,7 @@ class LLMEngine:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         children = [self._make_child(request_id, i, prompt_token_ids, params) for i in range(params.n)]
         if params.structured is not None:
-            self._add_structured(children, params)
+            self._grammars.add([c.request for c in children], params.structured)
         else:
             self.scheduler.add_request(children[0].request)  # raises before anything is queued
             for child in children[1:]:
@@ -150,40 +143,6 @@ class LLMEngine:
             self._num_history_requests += child.completion.needs_history
         self._children[request_id] = [c.request.request_id for c in children]
         self._prompt_tokens += len(prompt_token_ids)
-
-    def _add_structured(self, children: list[_Child], params: SamplingParams) -> None:
-        """Checked now, queued in the scheduler once the grammar is compiled (off this thread)."""
-        if self.structured is None:
-            raise RequestError("structured outputs need a tokenizer, and this engine runs without one",
-                               "unsupported", "structured_outputs")
-        self.scheduler.check_fits(children[0].request)
-        future = self.structured.compile(params.structured)
-        self._compiling.append(_Compiling([c.request for c in children], future))
-
-    def _admit_compiled(self) -> list[StepOutput]:
-        """Queue the structured requests whose grammar is ready; fail those whose grammar failed."""
-        outputs, still = [], []
-        for entry in self._compiling:
-            if not entry.grammar.done():
-                still.append(entry)
-                continue
-            live = [r for r in entry.requests if r.request_id in self._completions]  # not aborted meanwhile
-            error = entry.grammar.exception()
-            for req in live:
-                if error is None:
-                    req.grammar = self.structured.new_grammar(entry.grammar)
-                    self.scheduler.add_request(req)
-                else:
-                    out = self._final_output(req.request_id, FinishReason.ERROR)
-                    out.error = getattr(error, "message", None) or f"grammar: {type(error).__name__}"
-                    outputs.append(out)
-        self._compiling = still
-        return outputs
-
-    def _wait_for_grammars(self) -> None:
-        """Nothing to run but requests waiting for their grammar: wait for one (briefly), do not spin."""
-        if self._compiling and not self.scheduler.has_unfinished() and self._inflight is None:
-            wait([c.grammar for c in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
 
     def _make_child(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _Child:
         child_params = params.for_child(index) if params.n > 1 else params
@@ -215,9 +174,9 @@ class LLMEngine:
         """Schedule and launch step N, then finish step N-1 while the device works on N (on CUDA, when no
         live request needs the host to know every token before sampling the next: penalties, min_tokens)."""
         outputs, self._pending = self._pending, []
-        if self._compiling:
-            self._wait_for_grammars()
-            outputs += self._admit_compiled()
+        if self._grammars:
+            self._grammars.wait_if_idle(self._inflight is not None)
+            outputs += self._grammars.admit(self._completions, self._fail_request)
         if self._inflight is not None and self._num_history_requests:
             outputs += self._finish(self._inflight)
             self._inflight = None
@@ -323,10 +282,14 @@ class LLMEngine:
             rid = sr.request.request_id
             if rid in self._completions:
                 self.scheduler.finish_request(rid, FinishReason.ERROR)
-                out = self._final_output(rid, FinishReason.ERROR)
-                out.error = f"model step failed: {type(exc).__name__}"
-                outputs.append(out)
+                outputs.append(self._fail_request(rid, f"model step failed: {type(exc).__name__}"))
         return outputs
+
+    def _fail_request(self, child_id: str, message: str) -> StepOutput:
+        """The completion's last output: finished with an error, `message`; the engine forgets it."""
+        out = self._final_output(child_id, FinishReason.ERROR)
+        out.error = message
+        return out
 
     def _final_output(self, child_id: str, reason: FinishReason) -> StepOutput:
         comp = self._forget(child_id)
