@@ -50,16 +50,23 @@ class GrammarAdmission:
         if self._compiling and not self.scheduler.has_unfinished() and not step_in_flight:
             wait([c.grammar for c in self._compiling], timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
-    def admit(self, live: Container[str], fail: Callable[[str, str], StepOutput]) -> list[StepOutput]:
+    def drop(self, request_ids: Container[str]) -> None:
+        """Forget these (aborted) requests now, not when their grammar is ready: by then a new request may
+        have taken the same id, and must not find the old one admitted beside it."""
+        for entry in self._compiling:
+            entry.requests = [r for r in entry.requests if r.request_id not in request_ids]
+        self._compiling = [entry for entry in self._compiling if entry.requests]
+
+    def admit(self, fail: Callable[[str, str], StepOutput]) -> list[StepOutput]:
         """Queue the requests whose grammar is ready; a failed grammar fails them through `fail(request id,
-        message)`. Only ids still in `live` count: a request aborted while its grammar compiled is dropped."""
+        message)`."""
         outputs, still = [], []
         for entry in self._compiling:
             if not entry.grammar.done():
                 still.append(entry)
                 continue
             error = entry.grammar.exception()
-            for req in [r for r in entry.requests if r.request_id in live]:
+            for req in entry.requests:
                 if error is None:
                     req.grammar = self.structured.new_grammar(entry.grammar)
                     self.scheduler.add_request(req)

@@ -161,6 +161,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Abort every completion of `request_id`, or the one completion whose id (completion_id) it is."""
         child_ids = self._children.get(request_id) or ([request_id] if request_id in self._completions else [])
+        self._grammars.drop(child_ids)
         for child_id in child_ids:
             if child_id in self._completions:
                 self.scheduler.finish_request(child_id, FinishReason.ABORT)
@@ -176,7 +177,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if self._grammars:
             self._grammars.wait_if_idle(self._inflight is not None)
-            outputs += self._grammars.admit(self._completions, self._fail_request)
+            outputs += self._grammars.admit(self._fail_request)
         if self._inflight is not None and self._num_history_requests:
             outputs += self._finish(self._inflight)
             self._inflight = None

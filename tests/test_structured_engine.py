@@ -95,3 +95,30 @@ def test_ignore_eos_goes_on_unconstrained_after_the_grammar_ends(llm):
     assert c.finish_reason == "length" and len(c.token_ids) == 60
     value, end = json.JSONDecoder().raw_decode(tok.decode(c.token_ids, skip_special_tokens=True))
     jsonschema.validate(value, SCHEMA)
+
+
+def test_an_id_reused_while_the_aborted_requests_grammar_compiles(llm):
+    """Abort a structured request while its grammar compiles, add a new one under the same id, then let the
+    old grammar finish: only the new request runs (one output stream, one scheduler entry), nothing leaks."""
+    from concurrent.futures import Future
+
+    eng, tok = llm.engine, llm.get_tokenizer()
+    compile_ = eng.structured.compile
+    held = Future()  # the first compile: still running until the test says so
+    calls = iter([lambda c: held, compile_])
+    eng.structured.compile = lambda constraint: next(calls)(constraint)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, structured=StructuredOutput(regex="[a-z]{1,40}z"))
+        eng.add_request("again", tok.encode("x"), params)
+        eng.abort_request("again")
+        eng.add_request("again", tok.encode("y"), params)
+        held.set_result(compile_(params.structured).result())  # the aborted request's grammar is ready now
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+            assert eng.scheduler.stats().num_running + eng.scheduler.stats().num_waiting <= 1
+    finally:
+        eng.structured.compile = compile_
+    finished = [o.finish_reason for o in outs if o.finish_reason is not None]
+    assert finished == [FinishReason.ABORT, FinishReason.STOP] or finished == [FinishReason.ABORT, FinishReason.LENGTH]
+    assert eng.scheduler.stats().num_blocks_used == 0
