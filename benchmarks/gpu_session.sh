@@ -5,10 +5,12 @@
 # Each part fits in one 10-minute device call: run them as separate calls, back to back.
 # Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa|wl|wl-32k [extra bench-throughput args...]
 #        bash benchmarks/gpu_session.sh hf wb|wa generate|generate_batch|generate,generate_batch
+#        bash benchmarks/gpu_session.sh pair   (both servers: .carry/extra and .carry/vllm-extra carried, from
+#                                               benchmarks/fetch_extra_wheels.sh; every .carry/vllm-K staged)
 # (transformers on W-A runs ~2 min a repetition with generate_batch: one method per call there.)
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
-what="${1:?tests|profile|wb|wa|hf}"; shift || true
+what="${1:?tests|profile|wb|wa|wl|wl-32k|hf|pair}"; shift || true
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 backends="${BACKENDS:-triton,flash-attn-4,triton+flash-attn-4}"
 # Prefix caching is off in bench throughput by default (repetitions resend the same prompts).
@@ -43,5 +45,14 @@ case "$what" in
     timeout 580 python3 -m bench.throughput --preset "$preset" --attention-backend "${HF_WITH_KVSERVE-${backends%%,*}}" \
       --compare-hf "$methods" "${common[@]}" --out "$out/$tag.json" > "$out/$tag.log" 2>&1
     show "$out/$tag.log" 20 ;;
-  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|hf" >&2; exit 2 ;;
+  pair)
+    # Issue 15's structured W-B at 0/20/100% and issue 19's TTFT of 8k/32k prompts alone, through kvserve's
+    # server and then vLLM's (~6 min: vLLM's server takes ~100-120 s to start).
+    pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
+    pip install --target /tmp/vllm-site --no-deps -q .carry/vllm-extra/*.whl 2>&1 | grep -v WARNING | tail -2
+    python3 -c "import server.app, server.launcher, llguidance, httptools" || exit 1
+    timeout 450 python3 benchmarks/online_pair.py --out "$out/pair.json" --raw-dir "$out/pair-raw" --deadline-s 430 \
+      "$@" > "$out/pair.log" 2>&1
+    show "$out/pair.log" 45 ;;
+  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|hf|pair" >&2; exit 2 ;;
 esac
