@@ -5,12 +5,13 @@
 # Each part fits in one 10-minute device call: run them as separate calls, back to back.
 # Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa|wl|wl-32k [extra bench-throughput args...]
 #        bash benchmarks/gpu_session.sh hf wb|wa generate|generate_batch|generate,generate_batch
+#        bash benchmarks/gpu_session.sh vs-vllm   (W-B, W-A, W-L: kvserve and vLLM 0.24.0 interleaved, ~5.5 min)
 #        bash benchmarks/gpu_session.sh pair   (both servers: .carry/extra and .carry/vllm-extra carried, from
 #                                               benchmarks/fetch_extra_wheels.sh; every .carry/vllm-K staged)
 # (transformers on W-A runs ~2 min a repetition with generate_batch: one method per call there.)
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
-what="${1:?tests|profile|wb|wa|wl|wl-32k|hf|pair}"; shift || true
+what="${1:?tests|profile|wb|wa|wl|wl-32k|hf|pair|vs-vllm}"; shift || true
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 backends="${BACKENDS:-triton,flash-attn-4,triton+flash-attn-4}"
 # Prefix caching is off in bench throughput by default (repetitions resend the same prompts).
@@ -45,6 +46,18 @@ case "$what" in
     timeout 580 python3 -m bench.throughput --preset "$preset" --attention-backend "${HF_WITH_KVSERVE-${backends%%,*}}" \
       --compare-hf "$methods" "${common[@]}" --out "$out/$tag.json" > "$out/$tag.log" 2>&1
     show "$out/$tag.log" 20 ;;
+  vs-vllm)
+    # Issue 19's "W-A and W-B stay >= 1.8x, W-L >= 1.2x", in one call: each kvserve run beside vLLM's.
+    kv() { timeout "$1" python3 -m bench.throughput --preset "$2" "${@:3}" --out "$out/kvserve-$2.json" \
+             > "$out/kvserve-$2.log" 2>&1; show "$out/kvserve-$2.log" 2; }
+    kv 90 wb "${common[@]}"
+    kv 100 wa "${common[@]}"
+    PYTHONPATH=/tmp/vllm-site timeout 170 python3 .carry/peers/vllm_bench.py --reps 3 > "$out/vllm-ab.log" 2>&1
+    grep RESULT "$out/vllm-ab.log" | cut -c1-220
+    kv 100 wl --skip-tokenizer-init --repeat 3
+    PYTHONPATH=/tmp/vllm-site timeout 170 python3 benchmarks/vllm_wl.py --preset wl --repeat 3 \
+      --out "$out/vllm-wl.json" > "$out/vllm-wl.log" 2>&1
+    show "$out/vllm-wl.log" 5 ;;
   pair)
     # Issue 15's structured W-B at 0/20/100% and issue 19's TTFT of 8k/32k prompts alone, through kvserve's
     # server and then vLLM's (~6 min: vLLM's server takes ~100-120 s to start).
@@ -54,5 +67,5 @@ case "$what" in
     timeout 450 python3 benchmarks/online_pair.py --out "$out/pair.json" --raw-dir "$out/pair-raw" --deadline-s 430 \
       "$@" > "$out/pair.log" 2>&1
     show "$out/pair.log" 45 ;;
-  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|hf|pair" >&2; exit 2 ;;
+  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|hf|pair|vs-vllm" >&2; exit 2 ;;
 esac
