@@ -122,6 +122,10 @@ TRITON_VARIANTS = {"triton (split-KV off)": {"num_splits": 1}, **{
 # Prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) against _tiles' choice, for batches with prefills.
 TRITON_PREFILL_TILES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
                         (256, 64, 8, 2)]
+# Decode tiles against _tiles' (16, 64, 4, 2) for head dim 64: whole 128-token pages per tile, deeper pipelines
+# (W-L's decode attention reads K/V at ~3.3 TB/s); each checked in tests/test_attention_gpu.py first. 16 rows:
+# the GQA group (7) padded to a power of two, at least 16.
+TRITON_DECODE_TILES = [(16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 4), (16, 256, 8, 2)]
 
 
 def bench_dense_prefill(batch, heads: tuple[int, int, int], iters: int, kernel: str) -> dict | None:
@@ -172,9 +176,9 @@ def run(iters: int, only: str | None = None, block_size: int = 16, backends: lis
                     variants += [(label, functools.partial(bench_triton_variant, batch, layers, heads, iters, **opts))
                                  for label, opts in TRITON_VARIANTS.items()
                                  if work_name.startswith("decode") or opts.get("num_splits")]
-                    if not work_name.startswith("decode"):
-                        variants += [(f"triton (tiles {t})", functools.partial(
-                            bench_triton_variant, batch, layers, heads, iters, tiles=t)) for t in TRITON_PREFILL_TILES]
+                    tiles = TRITON_DECODE_TILES if work_name.startswith("decode") else TRITON_PREFILL_TILES
+                    variants += [(f"triton (tiles {t})", functools.partial(
+                        bench_triton_variant, batch, layers, heads, iters, tiles=t)) for t in tiles]
                 if name in ("triton", "flash-attn-4") and work_name.startswith("prefill") and with_variants:
                     kernel = "torch" if name == "triton" else name  # torch's varlen rides along once
                     variants.append((f"{kernel} varlen (dense K/V, no pages)",
