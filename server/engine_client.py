@@ -194,6 +194,8 @@ class EngineClient:
         self._handlers[type(message)](link, message)
 
     def _on_outputs(self, link: CoreLink, msg: EngineOutputs) -> None:
+        if link.dead:  # sent before it died, read after: its requests have failed, its gauges read 0
+            return
         link.stats, link.unreported = msg.stats, 0
         for rid in msg.admitted:
             _settle(self._admitting.get(rid), None)

@@ -256,6 +256,10 @@ def test_one_core_killed_fails_its_requests_and_the_other_serves_on(rr_server):
     assert len(failed) == len(finished) == 2  # the dead core's failed, the rest ran on
     health, ready = httpx.get(base + "/health", timeout=10), httpx.get(base + "/ready", timeout=10)
     assert health.status_code == 503 and "died" in health.json()["detail"] and ready.status_code == 503
+    m = metrics(base)  # the dead core holds nothing: its gauges read 0, its counters keep their last values
+    assert per_core(m, "kv_blocks_total")[1] == per_core(m, "requests_running")[1] == 0
+    assert per_core(m, "kv_blocks_total")[0] > 0 and per_core(m, "generation_tokens_total")[1] > 0
+    assert_sums_are_totals(m)
     for i in range(4):  # new work goes to the live core
         assert httpx.post(base + "/v1/completions", json={"prompt": f"again {i}", "max_tokens": 3},
                           timeout=60).status_code == 200
