@@ -23,6 +23,12 @@ NUM_CLIENTS = 200
 BEHAVIOURS = ("before_first_token", "long_prefill", "mid_stream", "non_streaming")
 MAX_MODEL_LEN = 512
 LONG_PROMPT = 400
+# Hang-ups come before the last token can: a decode step of this tiny model took 2.8 ms with one request alone
+# and 30 ms with 64 (offline, 2 CPU cores), so 440 tokens need 1.2 s or more against non-streaming hang-ups by
+# 0.8 s, and a long prompt's 4+ prefill steps and 112 tokens 0.33 s or more against hang-ups by 0.3 s; with
+# 200 clients at once no request is alone. (Hang-ups by 1.5 s with 300 tokens, and by 1.0 s with 100 after a
+# long prompt, let 2 requests of 200 finish with `length` in one CI run.)
+MAX_TOKENS = 440
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +54,12 @@ def plan_clients(seed: int) -> list[Client]:
     clients = []
     for i in range(NUM_CLIENTS):
         behaviour = BEHAVIOURS[i % len(BEHAVIOURS)]
-        body = {"max_tokens": 300, "ignore_eos": True, "temperature": rng.choice([0.0, 1.0]), "n": rng.choice([1, 2])}
+        body = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": rng.choice([0.0, 1.0]), "n": rng.choice([1, 2])}
         path = "/v1/completions"
         if behaviour == "long_prefill":
             # Distinct random ids: no prefix-cache hit shortens the prefill.
-            body.update(prompt=[rng.randrange(100, 40000) for _ in range(LONG_PROMPT)], max_tokens=100,
+            body.update(prompt=[rng.randrange(100, 40000) for _ in range(LONG_PROMPT)],
+                        max_tokens=MAX_MODEL_LEN - LONG_PROMPT,
                         stream=rng.random() < 0.5)
         elif rng.random() < 0.25:
             path = "/v1/chat/completions"
@@ -61,8 +68,8 @@ def plan_clients(seed: int) -> list[Client]:
             body["prompt"] = f"Story {i}: once upon a time"
         if behaviour in ("before_first_token", "mid_stream"):
             body["stream"] = True
-        after = {"before_first_token": rng.uniform(0.0, 0.02), "long_prefill": rng.uniform(0.05, 1.0),
-                 "mid_stream": rng.randint(1, 5), "non_streaming": rng.uniform(0.2, 1.5)}[behaviour]
+        after = {"before_first_token": rng.uniform(0.0, 0.02), "long_prefill": rng.uniform(0.05, 0.3),
+                 "mid_stream": rng.randint(1, 5), "non_streaming": rng.uniform(0.2, 0.8)}[behaviour]
         clients.append(Client(behaviour, path, body, after))
     return clients
 
