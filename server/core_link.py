@@ -10,16 +10,10 @@ import asyncio
 import time
 from typing import Callable
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from engine.core.messages import Codec, CoreStats, FromCore, Ready
-
-# CoreStats' gauges: what a core holds now. A dead core holds nothing, so its gauges read 0 from its death on;
-# its counters keep their last values (a Prometheus counter never goes down).
-CORE_GAUGES = ("num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "num_blocks_cached",
-               "num_unfinished")
 
 
 class CoreLink:
@@ -64,7 +58,7 @@ class CoreLink:
     def _exited(self, on_exit: Callable) -> None:
         asyncio.get_running_loop().remove_reader(self.endpoint.alive.fileno())
         self.dead = True
-        self.stats = msgspec.structs.replace(self.stats, **dict.fromkeys(CORE_GAUGES, 0))
+        self.stats = self.stats.as_dead()
         on_exit(self)
 
     def send(self, data: bytes) -> None:

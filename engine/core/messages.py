@@ -79,6 +79,12 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     num_steps: int = 0
     num_unfinished: int = 0  # engine requests (all completions) not finished yet, every front end's
 
+    def as_dead(self) -> CoreStats:
+        """A dead core's stats: it holds nothing, so the gauges read 0; the cumulative counters keep their last
+        values (a Prometheus counter never goes down)."""
+        return msgspec.structs.replace(self, num_running=0, num_waiting=0, num_blocks_total=0, num_blocks_used=0,
+                                       num_blocks_cached=0, num_unfinished=0)
+
 
 class EngineOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     deltas: list[TokenDelta]
