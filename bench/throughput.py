@@ -24,14 +24,15 @@ from bench.contenders import Measurement, kvserve_contender, time_contenders
 from bench.datasets import SYNTHETIC, add_dataset_arguments
 from bench.hf import hf_contenders
 from bench.models import build_random_model, free_device_memory, parse_model_config
-from bench.workloads import (Workload, workload_cpu_smollm2, workload_from_dataset, workload_wa, workload_wb,
-                             workload_wl)
+from bench.workloads import (WL_PRESETS, Workload, workload_cpu_smollm2, workload_from_dataset, workload_wa,
+                             workload_wb, workload_wl)
 
-PRESETS = ("wa", "wb", "wl", "wl-32k", "cpu-smollm2")
+PRESETS = ("wa", "wb", *WL_PRESETS, "cpu-smollm2")
 # A preset's engine limits where the user set none: W-L's prompts need a long max_model_len and big chunks.
-PRESET_LIMITS = {"wl": {"max_model_len": 16384, "max_num_batched_tokens": 16384},
-                 "wl-32k": {"max_model_len": 40960, "max_num_batched_tokens": 16384}}
-PRESET_MODELS = {"wa": "qwen2.5-0.5b", "wb": "qwen2.5-0.5b", "wl": "qwen2.5-0.5b", "wl-32k": "qwen2.5-0.5b-40k"}
+PRESET_LIMITS = {name: {"max_model_len": shape.max_model_len, "max_num_batched_tokens": 16384}
+                 for name, shape in WL_PRESETS.items()}
+PRESET_MODELS = {"wa": "qwen2.5-0.5b", "wb": "qwen2.5-0.5b",
+                 **{name: shape.model_config for name, shape in WL_PRESETS.items()}}
 HF_METHODS = ("generate", "generate_batch")
 
 
@@ -105,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=PRESETS, default=None,
                         help="wa / wb: the GPU workloads (default model: random-weight qwen2.5-0.5b); wl / wl-32k: "
                              "64 prompts of 8,192 / 32,768 ids -> 256 tokens (max-model-len 16384 / 40960, "
-                             "max-num-batched-tokens 16384 unless set); cpu-smollm2: the embedded default on the "
+                             "max-num-batched-tokens 16384 unless set); wl-decode / wl-32k-decode: the same "
+                             "prompts -> 1,024 tokens; cpu-smollm2: the embedded default on the "
                              "CPU. A preset replaces the dataset options")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the embedded SmolLM2)")
     parser.add_argument("--model-config", default=None,
@@ -176,8 +178,8 @@ def make_workload(args: argparse.Namespace, model_path: Path) -> Workload:
         return workload_wa()
     if args.preset == "wb":
         return workload_wb()
-    if args.preset in ("wl", "wl-32k"):
-        return workload_wl(vocab_size, 8192 if args.preset == "wl" else 32768)
+    if args.preset in WL_PRESETS:
+        return workload_wl(vocab_size, args.preset)
     if args.preset == "cpu-smollm2":
         return workload_cpu_smollm2(vocab_size)
     tokenizer = None

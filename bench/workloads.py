@@ -1,5 +1,5 @@
 """The offline workloads of `kvserve bench throughput`, as token ids with exact lengths: the presets W-A
-(nano-vllm's benchmark), W-B (the GPU issue's), W-L and W-L 32k (long prompts), cpu-smollm2 (the embedded
+(nano-vllm's benchmark), W-B (the GPU issue's), the W-L family (long prompts), cpu-smollm2 (the embedded
 default on a CPU), and any
 `--dataset` of bench/datasets.py.
 """
@@ -45,16 +45,38 @@ def workload_wb() -> Workload:
     return Workload("W-B", prompts, [128] * 256, temperature=0.0)
 
 
-WL_PROMPTS, WL_OUTPUT = 64, 256
+WL_PROMPTS = 64
 
 
-def workload_wl(vocab_size: int, prompt_len: int = 8192) -> Workload:
-    """W-L, long prompts (issue 19): 64 prompts of `prompt_len` ids (8,192; W-L 32k: 32,768) drawn as vLLM's
-    random dataset draws them (seed 0, ids from the model's vocabulary), 256 greedy output tokens each: the
-    workload of `--dataset random --random-input-len 8192 --random-output-len 256 --num-prompts 64`."""
-    reqs = random_requests(WL_PROMPTS, prompt_len, WL_OUTPUT, 0.0, seed=0, vocab_size=vocab_size)
-    name = "W-L" if prompt_len == 8192 else f"W-L {prompt_len // 1024}k"
-    return Workload(name, [r.prompt for r in reqs], [r.expected_output_len for r in reqs], 0.0)
+@dataclass(frozen=True)
+class LongPromptShape:
+    """One W-L preset: prompt and output lengths, and the engine limits and model config it needs (the
+    published Qwen2.5-0.5B config stops at 32,768 positions, which a 32k prompt and its output overrun)."""
+    name: str
+    prompt_len: int
+    output_len: int
+    max_model_len: int
+    model_config: str
+
+
+# wl-decode and wl-32k-decode: issue 19's "decode over long contexts": 1,024 output tokens make the split-KV
+# decode steps over 8-9k and 32-33k keys most of the run, against vLLM on the same shape.
+WL_PRESETS = {
+    "wl": LongPromptShape("W-L", 8192, 256, 16384, "qwen2.5-0.5b"),
+    "wl-32k": LongPromptShape("W-L 32k", 32768, 256, 40960, "qwen2.5-0.5b-40k"),
+    "wl-decode": LongPromptShape("W-L decode", 8192, 1024, 16384, "qwen2.5-0.5b"),
+    "wl-32k-decode": LongPromptShape("W-L 32k decode", 32768, 1024, 40960, "qwen2.5-0.5b-40k"),
+}
+
+
+def workload_wl(vocab_size: int, preset: str = "wl") -> Workload:
+    """W-L, long prompts (issue 19): 64 prompts of the preset's length (8,192 or 32,768 ids) drawn as vLLM's
+    random dataset draws them (seed 0, ids from the model's vocabulary), its output length (256 or 1,024)
+    greedy each: for wl, the workload of `--dataset random --random-input-len 8192 --random-output-len 256
+    --num-prompts 64`."""
+    shape = WL_PRESETS[preset]
+    reqs = random_requests(WL_PROMPTS, shape.prompt_len, shape.output_len, 0.0, seed=0, vocab_size=vocab_size)
+    return Workload(shape.name, [r.prompt for r in reqs], [r.expected_output_len for r in reqs], 0.0)
 
 
 def workload_cpu_smollm2(vocab_size: int) -> Workload:

@@ -3,7 +3,7 @@
 # each GPU backend, then transformers on W-B, all logged under $OUT (or ./gpu-out). vLLM runs separately
 # (shared/peers/vllm) on the same host right before or after; docs/benchmarks.md has the figures.
 # Each part fits in one 10-minute device call: run them as separate calls, back to back.
-# Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa|wl|wl-32k [extra bench-throughput args...]
+# Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode [extra bench-throughput args...]
 #        bash benchmarks/gpu_session.sh hf wb|wa generate|generate_batch|generate,generate_batch
 #        bash benchmarks/gpu_session.sh vs-vllm   (W-B, W-A, W-L: kvserve and vLLM 0.24.0 interleaved, ~5.5 min)
 #        bash benchmarks/gpu_session.sh pair   (both servers: .carry/extra and .carry/vllm-extra carried, from
@@ -11,7 +11,7 @@
 # (transformers on W-A runs ~2 min a repetition with generate_batch: one method per call there.)
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
-what="${1:?tests|profile|wb|wa|wl|wl-32k|hf|pair|vs-vllm}"; shift || true
+what="${1:?tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm}"; shift || true
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 backends="${BACKENDS:-triton,flash-attn-4,triton+flash-attn-4}"
 # Prefix caching is off in bench throughput by default (repetitions resend the same prompts).
@@ -32,8 +32,8 @@ case "$what" in
     timeout 560 python3 -m bench.throughput --preset "$what" --attention-backend "$backends" \
       "${common[@]}" "$@" --out "$out/kvserve-$what.json" > "$out/kvserve-$what.log" 2>&1
     show "$out/kvserve-$what.log" 30 ;;
-  wl|wl-32k)
-    # W-L (issue 19): long prompts; the preset sets max-model-len / max-num-batched-tokens, vLLM right after.
+  wl|wl-32k|wl-decode|wl-32k-decode)
+    # W-L (issue 19): long prompts (-decode: 1,024 output tokens); the preset sets max-model-len / max-num-batched-tokens, vLLM right after.
     timeout 400 python3 -m bench.throughput --preset "$what" --attention-backend "${backends%%,*}" \
       --skip-tokenizer-init --repeat "${REPEAT:-3}" "$@" --out "$out/kvserve-$what.json" > "$out/kvserve-$what.log" 2>&1
     show "$out/kvserve-$what.log" 12
@@ -67,5 +67,5 @@ case "$what" in
     timeout 450 python3 benchmarks/online_pair.py --out "$out/pair.json" --raw-dir "$out/pair-raw" --deadline-s 430 \
       "$@" > "$out/pair.log" 2>&1
     show "$out/pair.log" 45 ;;
-  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|hf|pair|vs-vllm" >&2; exit 2 ;;
+  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm" >&2; exit 2 ;;
 esac

@@ -26,11 +26,11 @@ import torch  # noqa: E402
 
 from bench.models import QWEN2_5_0_5B, build_random_model, free_device_memory, parse_model_config  # noqa: E402
 from bench.throughput import PRESET_LIMITS, PRESET_MODELS  # noqa: E402
-from bench.workloads import workload_wa, workload_wb, workload_wl  # noqa: E402
+from bench.workloads import WL_PRESETS, workload_wa, workload_wb, workload_wl  # noqa: E402
 
 VOCAB = QWEN2_5_0_5B["vocab_size"]
-WORKLOADS = {"wa": workload_wa, "wb": workload_wb, "wl": lambda: workload_wl(VOCAB, 8192),
-             "wl-32k": lambda: workload_wl(VOCAB, 32768)}
+WORKLOADS = {"wa": workload_wa, "wb": workload_wb,
+             **{name: (lambda name=name: workload_wl(VOCAB, name)) for name in WL_PRESETS}}
 DEFAULT_LIMITS = {"max_model_len": 2048, "max_num_batched_tokens": 16384}
 DECODE_GROUPS = ((193, 256), (129, 192), (65, 128), (17, 64), (1, 16))
 # Kernel name fragments -> what the layer does (first match wins), for the per-category breakdown.

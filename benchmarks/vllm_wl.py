@@ -1,4 +1,5 @@
-"""vLLM's side of W-L (long prompts, issue 19): the same prompts as `kvserve bench throughput --preset wl|wl-32k`,
+"""vLLM's side of W-L (long prompts, issue 19): the same prompts as `kvserve bench throughput --preset wl|wl-32k`
+(and wl-decode, wl-32k-decode: 1,024 output tokens),
 through vLLM 0.24.0's offline engine on the H200 host, with vLLM's environment:
 
     PYTHONPATH=/tmp/vllm-site python3 benchmarks/vllm_wl.py --preset wl --repeat 3 --out vllm-wl.json
@@ -29,9 +30,8 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # last: vLLM's own packages come first
 
 from bench.models import builtin_model_config  # noqa: E402
-from bench.workloads import workload_wl  # noqa: E402
+from bench.workloads import WL_PRESETS, workload_wl  # noqa: E402
 
-PRESETS = {"wl": ("qwen2.5-0.5b", 8192, 16384), "wl-32k": ("qwen2.5-0.5b-40k", 32768, 40960)}
 ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_FLASHINFER_SAMPLER": "0"}  # as shared/peers/vllm/bench.py
 
@@ -46,7 +46,7 @@ def model_dir(config_name: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="wl")
+    parser.add_argument("--preset", choices=sorted(WL_PRESETS), default="wl")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--output-len", type=int, default=None,
@@ -60,9 +60,10 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    config_name, prompt_len, max_model_len = PRESETS[args.preset]
-    w = workload_wl(builtin_model_config(config_name)["vocab_size"], prompt_len)
-    llm = LLM(model=model_dir(config_name), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    shape = WL_PRESETS[args.preset]
+    max_model_len = shape.max_model_len
+    w = workload_wl(builtin_model_config(shape.model_config)["vocab_size"], args.preset)
+    llm = LLM(model=model_dir(shape.model_config), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=False, seed=0)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in w.prompts]

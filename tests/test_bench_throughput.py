@@ -56,7 +56,21 @@ def test_wl_is_the_long_prompt_command_of_issue_19():
     bt.apply_preset(long)
     assert (long.max_model_len, long.max_num_batched_tokens) == (40960, 8192)  # a user's choice stays
     assert models.parse_model_config(long.model_config)["max_position_embeddings"] == 40960  # 32,768 + 256 fit
-    assert [len(p) for p in workloads.workload_wl(151936, 32768).prompts] == [32768] * 64
+    assert [len(p) for p in workloads.workload_wl(151936, "wl-32k").prompts] == [32768] * 64
+
+
+def test_wl_decode_presets_keep_w_ls_prompts_and_generate_1024_tokens():
+    """Issue 19's decode over long contexts: the same prompts as wl / wl-32k, 1,024 output tokens, the same
+    limits; vLLM's side (benchmarks/vllm_wl.py) reads the same table."""
+    for decode, prefill in (("wl-decode", "wl"), ("wl-32k-decode", "wl-32k")):
+        args, base = (bt.build_parser().parse_args(["--preset", name]) for name in (decode, prefill))
+        bt.apply_preset(args)
+        bt.apply_preset(base)
+        assert (args.max_model_len, args.max_num_batched_tokens, args.model_config) == \
+            (base.max_model_len, base.max_num_batched_tokens, base.model_config)
+        w, b = workloads.workload_wl(151936, decode), workloads.workload_wl(151936, prefill)
+        assert w.prompts == b.prompts and w.output_lens == [1024] * 64 and w.name == b.name + " decode"
+        assert len(w.prompts[0]) + 1024 <= args.max_model_len
 
 
 def test_qwen_shape_has_qwen2_5_0_5bs_parameter_count():
