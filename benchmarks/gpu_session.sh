@@ -6,12 +6,13 @@
 # Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode [extra bench-throughput args...]
 #        bash benchmarks/gpu_session.sh hf wb|wa generate|generate_batch|generate,generate_batch
 #        bash benchmarks/gpu_session.sh vs-vllm   (W-B, W-A, W-L: kvserve and vLLM 0.24.0 interleaved, ~5.5 min)
+#        bash benchmarks/gpu_session.sh tiles  (issue 19: decode tile variants, checked then timed, ~2 min)
 #        bash benchmarks/gpu_session.sh pair   (both servers: .carry/extra and .carry/vllm-extra carried, from
 #                                               benchmarks/fetch_extra_wheels.sh; every .carry/vllm-K staged)
 # (transformers on W-A runs ~2 min a repetition with generate_batch: one method per call there.)
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
-what="${1:?tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm}"; shift || true
+what="${1:?tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm|tiles}"; shift || true
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 backends="${BACKENDS:-triton,flash-attn-4,triton+flash-attn-4}"
 # Prefix caching is off in bench throughput by default (repetitions resend the same prompts).
@@ -34,7 +35,7 @@ case "$what" in
     show "$out/kvserve-$what.log" 30 ;;
   wl|wl-32k|wl-decode|wl-32k-decode)
     # W-L (issue 19): long prompts (-decode: 1,024 output tokens); the preset sets max-model-len / max-num-batched-tokens, vLLM right after.
-    timeout 400 python3 -m bench.throughput --preset "$what" --attention-backend "${backends%%,*}" \
+    timeout 400 python3 -m bench.throughput --preset "$what" --attention-backend "${BACKENDS:-auto}" \
       --skip-tokenizer-init --repeat "${REPEAT:-3}" "$@" --out "$out/kvserve-$what.json" > "$out/kvserve-$what.log" 2>&1
     show "$out/kvserve-$what.log" 12
     PYTHONPATH=/tmp/vllm-site timeout 400 python3 benchmarks/vllm_wl.py --preset "$what" --repeat "${REPEAT:-3}" \
@@ -58,6 +59,15 @@ case "$what" in
     PYTHONPATH=/tmp/vllm-site timeout 170 python3 benchmarks/vllm_wl.py --preset wl --repeat 3 \
       --out "$out/vllm-wl.json" > "$out/vllm-wl.log" 2>&1
     show "$out/vllm-wl.log" 5 ;;
+  tiles)
+    # Issue 19's largest W-L lever: the Triton decode tile variants, checked against the reference, then
+    # timed beside the shipped tiles on W-L's decode shape at 16- and 128-token pages (~2 min).
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py \
+      -k test_triton_decode_tiles_match_reference > "$out/tiles-test.log" 2>&1; show "$out/tiles-test.log" 5
+    grep -q " passed" "$out/tiles-test.log" && ! grep -q " failed" "$out/tiles-test.log" || exit 1
+    timeout 300 python3 benchmarks/attention_kernels.py --only "decode 64" --block-size 16,128 \
+      --backends triton,triton+flash-attn-4 --out "$out/tiles.json" > "$out/tiles.log" 2>&1
+    show "$out/tiles.log" 30 ;;
   pair)
     # Issue 15's structured W-B at 0/20/100% and issue 19's TTFT of 8k/32k prompts alone, through kvserve's
     # server and then vLLM's (~6 min: vLLM's server takes ~100-120 s to start).
@@ -67,5 +77,5 @@ case "$what" in
     timeout 450 python3 benchmarks/online_pair.py --out "$out/pair.json" --raw-dir "$out/pair-raw" --deadline-s 430 \
       "$@" > "$out/pair.log" 2>&1
     show "$out/pair.log" 45 ;;
-  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm" >&2; exit 2 ;;
+  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm|tiles" >&2; exit 2 ;;
 esac
