@@ -28,6 +28,18 @@ class Run:
     error: str = ""
 
 
+def slowest_ttfts(result: dict, k: int = 3) -> list[dict]:
+    """The k longest TTFTs of one bench serve run, each with when its request was sent (seconds after the
+    run's first): the online issue's open question is whether a rate load's TTFT p99 comes from its first
+    requests (a cold path, right after the loads at once) or from any time (a stall)."""
+    sent = [(t, s) for t, s in zip(result["ttfts"], result["start_times"]) if t and t > 0]
+    if not sent:
+        return []
+    first = min(s for _, s in sent)
+    return [{"ttft_ms": round(1000 * t, 1), "sent_at_s": round(s - first, 3)}
+            for t, s in sorted(sent, reverse=True)[:k]]
+
+
 def median_of(runs: list[Run], system: str, load: str, key: str) -> float | None:
     """The median over the repetitions in which every request completed (a run with failures counts for
     nothing: its log line says how many failed); None without one."""

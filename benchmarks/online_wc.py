@@ -38,7 +38,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench import server_procs  # noqa: E402
-from bench.online_report import Load, Run, table, targets  # noqa: E402
+from bench.online_report import Load, Run, slowest_ttfts, table, targets  # noqa: E402
 from bench.models import build_random_model, parse_model_config  # noqa: E402
 
 SERVER_LIMITS = ["--max-model-len", "2048", "--max-num-batched-tokens", "16384", "--max-num-seqs", "256"]
@@ -83,7 +83,7 @@ def bench_serve(url: str, load: Load, shape: Shape, seed: int, out: Path, timeou
     if load.max_concurrency:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
     result = server_procs.run_bench_serve(cmd, out, timeout_s)
-    return {k: result[k] for k in SUMMARY_KEYS}
+    return {**{k: result[k] for k in SUMMARY_KEYS}, "slowest_ttfts": slowest_ttfts(result)}
 
 
 
@@ -119,7 +119,8 @@ def measure_system(system: str, url: str, loads: list[Load], shape: Shape, raw: 
 
 def _brief(m: dict) -> str:
     return (f"{m['output_throughput']:,.0f} out tok/s, TTFT p50 {m['median_ttft_ms']:.1f} ms p99 "
-            f"{m['p99_ttft_ms']:.1f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, failed {m['failed']}")
+            f"{m['p99_ttft_ms']:.1f} ms, TPOT p50 {m['median_tpot_ms']:.2f} ms, failed {m['failed']}; slowest TTFTs: "
+            + ", ".join(f"{s['ttft_ms']:.0f} ms sent at {s['sent_at_s']:.2f} s" for s in m.get("slowest_ttfts", [])))
 
 
 # ----------------------------------------------------------------------------------------------- phases

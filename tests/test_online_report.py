@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.online_report import Load, Run, table, targets
+from bench.online_report import Load, Run, slowest_ttfts, table, targets
 
 LOADS = [Load("256 at once", 256, math.inf, None, 4, 2), Load("1024 at once", 1024, math.inf, None, 4, 2),
          Load("40 req/s", 160, 40.0, None, 2, 1), Load("one at a time", 12, math.inf, 1, 1, 1)]
@@ -42,3 +42,13 @@ def test_medians_ratios_and_targets():
     alone = targets(figs, ["kvserve"], None)
     assert alone == ["n/a   256 at once: kvserve >= 70% of offline W-B", "n/a   1024 at once: kvserve >= 70% of "
                      "offline W-B"]
+
+
+def test_slowest_ttfts_say_when_their_requests_were_sent():
+    """The longest TTFTs first, each with its send time after the run's first request; failed requests
+    (TTFT 0 or None) are left out."""
+    result = {"ttfts": [0.010, 0.700, None, 0.012, 0.0, 0.300],
+              "start_times": [100.0, 100.05, 100.1, 100.2, 100.3, 102.5]}
+    assert slowest_ttfts(result, k=2) == [{"ttft_ms": 700.0, "sent_at_s": 0.05},
+                                                        {"ttft_ms": 300.0, "sent_at_s": 2.5}]
+    assert slowest_ttfts({"ttfts": [None], "start_times": [1.0]}) == []
