@@ -12,7 +12,7 @@
 # (transformers on W-A runs ~2 min a repetition with generate_batch: one method per call there.)
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
-what="${1:?tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm|tiles}"; shift || true
+what="${1:?tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm|tiles|first-rep}"; shift || true
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 backends="${BACKENDS:-triton,flash-attn-4,triton+flash-attn-4}"
 # Prefix caching is off in bench throughput by default (repetitions resend the same prompts).
@@ -68,6 +68,16 @@ case "$what" in
     timeout 300 python3 benchmarks/attention_kernels.py --only "decode 64" --block-size 16,128 \
       --backends triton,triton+flash-attn-4 --out "$out/tiles.json" > "$out/tiles.log" 2>&1
     show "$out/tiles.log" 30 ;;
+  first-rep)
+    # Issue 19: W-A's and W-B's first timed repetition runs 0.1-0.2 s slower, and it is not a compile. One
+    # candidate is CUDA's lazy module loading (each cuBLAS/Triton module loads on first use): W-B x4 with
+    # lazy loading (the default), then eager; each repetition's time printed from the JSON (~2 min).
+    for mode in LAZY EAGER; do
+      CUDA_MODULE_LOADING=$mode timeout 140 python3 -m bench.throughput --preset wb "${common[@]}" --repeat 4 \
+        --out "$out/first-rep-$mode.json" > "$out/first-rep-$mode.log" 2>&1
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], [[round(t, 3) for t in x['runs_s']] for x in r['results']])" \
+        "$out/first-rep-$mode.json" "$mode" || show "$out/first-rep-$mode.log" 5
+    done ;;
   pair)
     # Issue 15's structured W-B at 0/20/100% and issue 19's TTFT of 8k/32k prompts alone, through kvserve's
     # server and then vLLM's (~6 min: vLLM's server takes ~100-120 s to start).
@@ -77,5 +87,5 @@ case "$what" in
     timeout 450 python3 benchmarks/online_pair.py --out "$out/pair.json" --raw-dir "$out/pair-raw" --deadline-s 430 \
       "$@" > "$out/pair.log" 2>&1
     show "$out/pair.log" 45 ;;
-  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm|tiles" >&2; exit 2 ;;
+  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm|tiles|first-rep" >&2; exit 2 ;;
 esac
