@@ -25,7 +25,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30  # CPU budget for the KV pool
     gpu_memory_utilization: float = 0.90
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: 8192 on a GPU, 2048 on the CPU (engine/setup.py)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
@@ -56,7 +56,8 @@ class EngineConfig:
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks must be >= 2")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         need(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
-        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         need(self.grammar_max_size >= 1 and self.grammar_compile_fuel >= 1,
              "grammar_max_size and grammar_compile_fuel must be >= 1")

@@ -16,7 +16,8 @@ from engine.request import (FINISHED, FinishReason, Request, RequestError, Sampl
                             TokenLogprob, completion_id)
 from engine.runner import ModelRunner, RunnerOutput, StepHandle, kv_bytes_per_block, profile_step_peak_bytes
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from engine.setup import choose_backend, eos_ids, resolve_device, resolve_dtype
+from engine.setup import (choose_backend, eos_ids, resolve_device, resolve_dtype,
+                          resolve_max_num_batched_tokens)
 from engine.grammar import GrammarLimits
 from engine.structured import StructuredOutputs
 
@@ -64,6 +65,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # unseeded requests draw from the default generators
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(config.max_num_batched_tokens, self.device)
         path = self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(path)
         self.tokenizer_path = None if config.skip_tokenizer_init else str(config.tokenizer or path)
@@ -81,9 +83,9 @@ class LLMEngine:
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_from_memory(model)
         self.runner = ModelRunner(model, self.hf_config, self.backend, self.device, self.dtype,
                                   self.num_kv_blocks, self.block_size, config.max_num_seqs, self.max_model_len,
-                                  config.max_num_batched_tokens, use_cuda_graphs=not config.enforce_eager)
+                                  self.max_num_batched_tokens, use_cuda_graphs=not config.enforce_eager)
         self.scheduler = Scheduler(self.num_kv_blocks, self.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len, config.enable_prefix_caching)
+                                   self.max_num_batched_tokens, self.max_model_len, config.enable_prefix_caching)
         self._completions: dict[str, _Completion] = {}  # child request id -> its state
         self._children: dict[str, list[str]] = {}  # caller's request id -> child ids
         self._pending: list[StepOutput] = []  # outputs made between steps (aborts), returned by the next step
@@ -107,7 +109,7 @@ class LLMEngine:
             return max(2, self.config.kv_cache_memory_bytes // per_block)
         c = self.config
         peak = profile_step_peak_bytes(model, self.hf_config, self.backend, self.device, self.dtype, self.block_size,
-                                       c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
+                                       self.max_num_batched_tokens, c.max_num_seqs, self.max_model_len)
         free, total = torch.cuda.mem_get_info(self.device)
         # What the process and others already use, plus a maximal step's peak, plus room for CUDA graphs.
         budget = total * c.gpu_memory_utilization - (total - free) - peak - CUDA_GRAPH_RESERVE
@@ -118,8 +120,9 @@ class LLMEngine:
     def _log_start(self) -> None:
         logger.info("kvserve engine: device=%s dtype=%s attention=%s (%s)", self.device, str(self.dtype)[6:],
                     self.backend_name, self.backend_reason)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens of concurrency; max_model_len=%d",
-                    self.num_kv_blocks, self.block_size, self.num_kv_blocks * self.block_size, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens of concurrency; max_model_len=%d, "
+                    "max_num_batched_tokens=%d", self.num_kv_blocks, self.block_size,
+                    self.num_kv_blocks * self.block_size, self.max_model_len, self.max_num_batched_tokens)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

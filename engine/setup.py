@@ -1,5 +1,5 @@
 """What an engine is built from, resolved in one place: the device, the dtype, the attention backend with
-its KV block size, and the EOS ids."""
+its KV block size, the step's token budget, and the EOS ids."""
 from __future__ import annotations
 
 import torch
@@ -29,6 +29,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but CUDA is not available")
     return torch.device(name)
+
+
+def resolve_max_num_batched_tokens(value: int | None, device: torch.device) -> int:
+    """Unset: 8192 tokens a step on a GPU, vLLM's default for its API server on 70+ GB GPUs, so one 8k
+    prompt is one prefill step (TTFT) and prompts are chunked less; 2048 on the CPU, where a 2048-token step
+    of the embedded SmolLM2 already takes about a second and decodes would wait behind a longer one."""
+    return value or (8192 if device.type == "cuda" else 2048)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -130,7 +130,8 @@ ENGINE_HELP = {
     "kv_cache_memory_bytes": "bytes of KV cache on CPU when num_kv_blocks is not set",
     "gpu_memory_utilization": "fraction of GPU memory kvserve may use (weights + KV cache + activations)",
     "max_num_seqs": "most sequences in one batch",
-    "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes)",
+    "max_num_batched_tokens": "most tokens in one step (prefill chunks + decodes); default: 8192 on a GPU, 2048 "
+                              "on the CPU",
     "max_model_len": "longest prompt + output, tokens; default: the model's max_position_embeddings",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "attention_backend": f"attention backend {BACKENDS}; auto picks the fastest that supports the model",

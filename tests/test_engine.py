@@ -6,6 +6,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.request import FinishReason, RequestError
+from engine.setup import resolve_max_num_batched_tokens
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +216,12 @@ def test_prepare_inputs_one_token_rows_equal_the_general_path():
     assert (inputs.input_ids, inputs.positions, inputs.pending) == general(out)
     assert [(s.context_len, s.query_len) for s in inputs.seqs] == [(start, n) for start, n, _ in rows]
     assert inputs.sample_indices == [2, 3, 4, 5, 8]
+
+
+def test_step_token_budget_follows_the_device_unless_set(llm):
+    """Unset, max_num_batched_tokens is 2048 on the CPU and 8192 on a GPU (vLLM's API-server default on large
+    GPUs: one 8k prompt, one prefill step); a value the user set is kept on either."""
+    assert llm.engine.max_num_batched_tokens == 2048 and llm.engine.scheduler.max_num_batched_tokens == 2048
+    assert resolve_max_num_batched_tokens(None, torch.device("cuda")) == 8192
+    assert resolve_max_num_batched_tokens(512, torch.device("cuda")) == 512
+    assert resolve_max_num_batched_tokens(16384, torch.device("cpu")) == 16384

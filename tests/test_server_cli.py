@@ -26,7 +26,7 @@ def test_precedence_defaults_file_env_flags(tmp_path):
     assert server.port == 9002  # env over file
     assert engine.block_size == 8  # flag over env
     assert server.log_requests is True
-    assert engine.max_num_batched_tokens == EngineConfig().max_num_batched_tokens  # untouched default
+    assert engine.max_num_batched_tokens is None  # untouched default: the engine's, by device
     assert server.host == "127.0.0.1"  # loopback unless asked
 
 
