@@ -72,16 +72,30 @@ def time_contenders(contenders: list[Contender], w: Workload, repeat: int) -> li
     return measurements
 
 
+def workload_params(w: Workload) -> list:
+    """Each request's sampling: the workload's temperature, its exact output length (ignore_eos)."""
+    from engine.request import SamplingParams
+
+    return [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True) for n in w.output_lens]
+
+
+def warm_up(llm, w: Workload) -> None:
+    """A short unmeasured run, the workload's first 16 prompts to 8 tokens each: compiles, CUDA graph
+    captures and allocator growth happen here, not in the measurement."""
+    from engine.request import SamplingParams
+
+    n = min(16, len(w.prompts))
+    llm.generate(w.prompts[:n], [SamplingParams(temperature=w.temperature, max_tokens=8, ignore_eos=True)] * n)
+
+
 def kvserve_contender(model_path: Path, opts: dict, w: Workload, warmup: bool) -> Contender:
     from engine.llm import LLM
     from engine.malloc import freeze_startup_objects
-    from engine.request import SamplingParams
 
     llm = LLM(model=str(model_path), **opts)
-    params = [SamplingParams(temperature=w.temperature, max_tokens=n, ignore_eos=True) for n in w.output_lens]
-    if warmup:  # compiles, CUDA graph captures and allocator growth happen here, not in the measurement
-        llm.generate(w.prompts[:16], [SamplingParams(temperature=w.temperature, max_tokens=8, ignore_eos=True)] *
-                     min(16, len(w.prompts)))
+    params = workload_params(w)
+    if warmup:
+        warm_up(llm, w)
     freeze_startup_objects()  # a full collection in a timed run would cost it ~0.1-0.3 s (engine/malloc.py)
     name = f"kvserve ({llm.engine.backend_name}, {str(llm.engine.dtype).removeprefix('torch.')}, {llm.engine.device})"
 

@@ -7,6 +7,7 @@
 #        bash benchmarks/gpu_session.sh hf wb|wa generate|generate_batch|generate,generate_batch
 #        bash benchmarks/gpu_session.sh vs-vllm   (W-B, W-A, W-L: kvserve and vLLM 0.24.0 interleaved, ~5.5 min)
 #        bash benchmarks/gpu_session.sh tiles  (issue 19: decode tile variants, checked then timed, ~2 min)
+#        bash benchmarks/gpu_session.sh first-rep  (issue 19: where the first repetition's time goes, ~3 min)
 #        bash benchmarks/gpu_session.sh pair   (both servers: .carry/extra and .carry/vllm-extra carried, from
 #                                               benchmarks/fetch_extra_wheels.sh; every .carry/vllm-K staged)
 # (transformers on W-A runs ~2 min a repetition with generate_batch: one method per call there.)
@@ -69,14 +70,14 @@ case "$what" in
       --backends triton,triton+flash-attn-4 --out "$out/tiles.json" > "$out/tiles.log" 2>&1
     show "$out/tiles.log" 30 ;;
   first-rep)
-    # Issue 19: W-A's and W-B's first timed repetition runs 0.1-0.2 s slower, and it is not a compile. One
-    # candidate is CUDA's lazy module loading (each cuBLAS/Triton module loads on first use): W-B x4 with
-    # lazy loading (the default), then eager; each repetition's time printed from the JSON (~2 min).
-    for mode in LAZY EAGER; do
-      CUDA_MODULE_LOADING=$mode timeout 140 python3 -m bench.throughput --preset wb "${common[@]}" --repeat 4 \
-        --out "$out/first-rep-$mode.json" > "$out/first-rep-$mode.log" 2>&1
-      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[2], [[round(t, 3) for t in x['runs_s']] for x in r['results']])" \
-        "$out/first-rep-$mode.json" "$mode" || show "$out/first-rep-$mode.log" 5
+    # Issue 19: W-A's and W-B's first timed repetition runs 0.1-0.2 s slower, and it is not a compile.
+    # benchmarks/first_rep.py times every step of repetition 1 beside the same step of the last one; W-B runs
+    # again with CUDA's eager module loading (lazy loading is one candidate) (~3 min).
+    for run in "wb LAZY" "wa LAZY" "wb EAGER"; do
+      set -- $run
+      CUDA_MODULE_LOADING=$2 timeout 150 python3 benchmarks/first_rep.py --preset "$1" --repeat 3 \
+        --out "$out/first-rep-$1-$2.json" > "$out/first-rep-$1-$2.log" 2>&1
+      echo "== $1, CUDA_MODULE_LOADING=$2"; show "$out/first-rep-$1-$2.log" 18
     done ;;
   pair)
     # Issue 15's structured W-B at 0/20/100% and issue 19's TTFT of 8k/32k prompts alone, through kvserve's
