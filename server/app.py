@@ -352,6 +352,7 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
         if req.prompt is None and req.messages is None:
             raise APIError(400, "give prompt or messages", "invalid_value", "prompt")
         if req.messages is not None:
+            P.check_text_parts(req.messages)
             ids = await ctx.run_for(request, serving.chat_prompt, ctx, req)
         else:
             tokenizer = ctx.need_tokenizer("tokenize")
