@@ -278,9 +278,22 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
     @app.get("/v1/models", response_model=R.ModelList, responses=_ERRORS)
     async def models():
         ctx = serving_context(app)
-        cards = [{"id": name, "object": "model", "created": aengine.created, "owned_by": "kvserve",
-                  "max_model_len": aengine.info.max_model_len} for name in ctx.model_names]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [_model_card(aengine, name) for name in ctx.model_names]}
+
+    # {model:path}: a served name may hold a slash (org/name); the openai client sends it as %2F
+    @app.get("/v1/models/{model:path}", response_model=R.ModelCard, responses=_ERRORS)
+    async def retrieve_model(model: str):
+        """A name the completion routes accept: its card from /v1/models (the model path, also accepted,
+        gets the reported name's card); any other name: 404 model_not_found, as the completion routes say."""
+        ctx = serving_context(app)
+        check_model(ctx, model, aengine.model)
+        return _model_card(aengine, model if model in ctx.model_names else ctx.model_name)
+
+
+def _model_card(aengine: EngineClient, name: str) -> dict:
+    """One served name as /v1/models lists it (R.ModelCard)."""
+    return {"id": name, "object": "model", "created": aengine.created, "owned_by": "kvserve",
+            "max_model_len": aengine.info.max_model_len}
 
 
 async def _with_structured(ctx: serving.ServingContext, req, params):
@@ -339,6 +352,7 @@ def _add_tokenizer_routes(app: FastAPI) -> None:
         if req.prompt is None and req.messages is None:
             raise APIError(400, "give prompt or messages", "invalid_value", "prompt")
         if req.messages is not None:
+            P.check_text_parts(req.messages)
             ids = await ctx.run_for(request, serving.chat_prompt, ctx, req)
         else:
             tokenizer = ctx.need_tokenizer("tokenize")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from server.errors import APIError
 
@@ -185,7 +185,8 @@ NO_OP_VALUES = {
 
 
 def check_unsupported(req: BaseModel) -> None:
-    """400 `unsupported`, naming the field, for the first field set to a value kvserve would not honour."""
+    """400 `unsupported`, naming the field, for the first field set to a value kvserve would not honour (or,
+    in messages, the first content part that is not text)."""
     for name, f in type(req).model_fields.items():  # a request's own field of the same name wins (echo)
         if not (f.description or "").startswith(_REFUSED):
             continue
@@ -196,6 +197,17 @@ def check_unsupported(req: BaseModel) -> None:
     if getattr(req, "best_of", None) is not None and req.best_of > req.n:
         raise APIError(400, "best_of: only best_of == n is supported (kvserve returns every completion)",
                        "unsupported", "best_of")
+    check_text_parts(getattr(req, "messages", None) or ())
+
+
+def check_text_parts(messages: list[ChatMessage]) -> None:
+    """400 `unsupported`, at the part's path, for the first content part that is not text."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type != "text":
+                where = f"messages.{i}.content.{j}"
+                raise APIError(400, f"{where}: {part.type!r} content parts are not supported: this server "
+                               'takes text parts only ({"type": "text", "text": ...})', "unsupported", where)
 
 
 class _PromptLogprobFields(_RefusedFields):
@@ -255,9 +267,31 @@ class TextPart(_Strict):
     text: Text
 
 
+class NonTextPart(_Strict):
+    """A content part that is not text (OpenAI's image_url, input_audio, file, refusal; vLLM's audio_url,
+    video_url, ...). kvserve serves text-only models: such a part parses, then is refused with 400 unsupported
+    naming its type and path (check_text_parts)."""
+    type: str = Field(description="any type but text: refused (400 unsupported)", examples=["image_url", "file"],
+                      json_schema_extra={"not": {"const": "text"}})  # so that a text part matches one member
+
+
+def _part_kind(part) -> str | None:
+    """The union member of a content part: 'text' for type text, 'other' for any other type string."""
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    if not isinstance(kind, str):
+        return None
+    return "text" if kind == "text" else "other"
+
+
+ContentPart = Annotated[Union[Annotated[TextPart, Tag("text")], Annotated[NonTextPart, Tag("other")]],
+                        Discriminator(_part_kind, custom_error_type="invalid_part",
+                                      custom_error_message='a content part is an object with a string "type"')]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[Text, list[TextPart], None] = None
+    content: Union[Text, list[ContentPart], None] = Field(
+        None, description="a string or a list of text parts (any other part type: 400 unsupported)")
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Text | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from openai import BadRequestError, OpenAI
 
 from server_utils import ServerThread
 
@@ -67,6 +68,41 @@ def test_openapi_declares_every_field(server):
                  "guided_json": 1, "guided_regex": 1, "guided_choice": 1, "guided_grammar": 1}:
         assert name in completion, name
     assert "unsupported" in chat["functions"]["description"]
+
+
+# ---- content parts -----------------------------------------------------------------------------------------
+
+NON_TEXT_PARTS = [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                  {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                  {"type": "file", "file": {"file_id": "file-123"}}, {"type": "video_url", "video_url": {"url": "x"}}]
+
+
+@pytest.mark.parametrize("part", NON_TEXT_PARTS, ids=lambda p: p["type"])
+def test_non_text_content_parts_are_refused_by_type(server, part):
+    """The openai client's multimodal message: 400 unsupported at the part's path, naming its type."""
+    client = OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    content = [{"type": "text", "text": "What is this?"}, part]
+    with pytest.raises(BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": content}])
+    err = exc.value
+    assert (err.code, err.param) == ("unsupported", "messages.1.content.1"), err.body
+    assert repr(part["type"]) in err.message and "text parts only" in err.message
+    tokenize = post(server, "/tokenize", {"messages": [{"role": "user", "content": [part]}]}).json()["error"]
+    assert (tokenize["code"], tokenize["param"]) == ("unsupported", "messages.0.content.0")
+
+
+def test_text_parts_are_the_joined_text(server):
+    parts = [{"type": "text", "text": "The capital "}, {"type": "text", "text": "of France"}]
+    as_parts = post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]}).json()
+    as_text = post(server, "/tokenize", {"messages": [{"role": "user", "content": "The capital of France"}]}).json()
+    assert as_parts["tokens"] == as_text["tokens"]
+    chat = post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": parts}]})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+    schemas = httpx.get(server.url("/openapi.json"), timeout=30).json()["components"]["schemas"]
+    members = schemas["ChatMessage"]["properties"]["content"]["anyOf"][1]["items"]["oneOf"]
+    assert {"$ref": "#/components/schemas/TextPart"} in members
+    assert schemas["TextPart"]["properties"]["type"]["const"] == "text"
 
 
 # ---- request chat templates ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI, NotFoundError, OpenAI
 
 from engine.request import SamplingParams
 from server import responses as R
@@ -17,7 +17,7 @@ PROMPTS = ["Hello world", "The capital of France is", "1, 2, 3,", "Once upon a t
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with ServerThread(tiny_model_dir("llama"), served_model_name="tiny") as s:
+    with ServerThread(tiny_model_dir("llama"), served_model_name="tiny,org/tiny") as s:
         yield s
 
 
@@ -172,6 +172,22 @@ def test_responses_match_the_declared_schema(server):
     schema = httpx.get(server.url("/openapi.json")).json()
     assert "CompletionRequest" in schema["components"]["schemas"]
     assert "429" in schema["paths"]["/v1/completions"]["post"]["responses"]
+
+
+def test_models_retrieve_gives_each_served_name_its_card(server, client):
+    """client.models.retrieve (GET /v1/models/{model}): every served name gets its card from /v1/models, one
+    with a slash too (the client sends it as %2F); any other name is the completion routes' 404."""
+    listed = {card.id: card for card in client.models.list().data}
+    assert list(listed) == ["tiny", "org/tiny"]
+    for name, card in listed.items():
+        assert client.models.retrieve(name) == card
+    with pytest.raises(NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert (err.value.code, err.value.param, err.value.type) == ("model_not_found", "model", "invalid_request_error")
+    assert "no-such-model" in err.value.message
+    route = httpx.get(server.url("/openapi.json")).json()["paths"]["/v1/models/{model}"]["get"]
+    assert route["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ModelCard")
+    assert "404" in route["responses"] and route["parameters"][0]["name"] == "model"
 
 
 def test_tokenize_detokenize_roundtrip(server, offline):

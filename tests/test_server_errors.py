@@ -181,8 +181,8 @@ def test_api_key_required(server):
     check_error_shape(httpx.post(url, json=ok_body(), headers={"Authorization": "Bearer wrong"}), 401,
                       "invalid_api_key")
     check_error_shape(httpx.post(url, json=ok_body(), headers={"Authorization": KEY}), 401, "invalid_api_key")
-    for path in ("/v1/models", "/tokenize", "/detokenize"):
-        method = httpx.get if path == "/v1/models" else httpx.post
+    for path in ("/v1/models", "/v1/models/tiny", "/v1/models/nope", "/tokenize", "/detokenize"):
+        method = httpx.get if path.startswith("/v1/models") else httpx.post
         assert method(server.url(path)).status_code == 401
     for path in ("/health", "/ready", "/metrics", "/version"):
         assert httpx.get(server.url(path)).status_code == 200
@@ -192,6 +192,9 @@ def test_api_key_required(server):
 def test_api_key_with_the_openai_client(server):
     good = OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0)
     assert good.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
+    assert good.models.retrieve("tiny").id == "tiny"
     bad = OpenAI(base_url=server.url("/v1"), api_key="nope", max_retries=0)
     with pytest.raises(AuthenticationError):
         bad.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    with pytest.raises(AuthenticationError):
+        bad.models.retrieve("tiny")
