@@ -244,7 +244,7 @@ def _add_openai_routes(app: FastAPI, aengine: EngineClient) -> None:
         RP.check_response_size(len(texts or prompts) * params.n, params.max_tokens, params.logprobs, ctx.limits)
         if texts:
             check_chars(texts, ctx.max_prompt_chars, ctx.max_prompt_tokens)
-            prompts = await ctx.run_for(request, serving.tokenize_texts, ctx, texts)
+            prompts = await ctx.run_for(request, serving.tokenize_texts, ctx, texts, req.add_special_tokens)
         serving.prompt_check(ctx, prompts)
         if req.echo and not texts:
             texts = await ctx.run_for(request, lambda: [ctx.tokenizer.decode(p) if ctx.tokenizer else ""

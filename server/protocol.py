@@ -172,6 +172,9 @@ class _ChatExtraFields(_Strict):
 
 class _CompletionExtraFields(_Strict):
     suffix: Any = _refused('"" or null')
+    prompt_embeds: Any = _refused()
+    add_special_tokens: bool = Field(True, description="text prompts: add the tokenizer's special tokens (BOS) "
+                                     "as vLLM does by default; false: the text's own tokens only")
 
 
 # field -> its no-op values (null is always one)

@@ -377,9 +377,9 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
 # ---- prompts ---------------------------------------------------------------------------------------
 
 
-def tokenize_texts(ctx: ServingContext, texts: list[str]) -> list[list[int]]:
+def tokenize_texts(ctx: ServingContext, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
     tokenizer = ctx.need_tokenizer("a text prompt")
-    return [tokenizer.encode(t) for t in texts]
+    return [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
 
 def request_template(ctx: ServingContext, req) -> str | None:

@@ -40,7 +40,8 @@ def post(server, path, body):
 @pytest.mark.parametrize("path, base, field, value",
                          [("/v1/chat/completions", CHAT, k, v) for k, v in {**REFUSED_BOTH, **REFUSED_CHAT}.items()]
                          + [("/v1/completions", COMPLETION, k, v) for k, v in REFUSED_BOTH.items()]
-                         + [("/v1/completions", COMPLETION, "suffix", "tail")])
+                         + [("/v1/completions", COMPLETION, "suffix", "tail"),
+                            ("/v1/completions", COMPLETION, "prompt_embeds", "AAAA")])
 def test_unimplemented_fields_are_refused(server, path, base, field, value):
     resp = post(server, path, {**base, field: value})
     assert resp.status_code == 400, resp.text
@@ -51,6 +52,38 @@ def test_unimplemented_fields_are_refused(server, path, base, field, value):
 def test_no_op_values_and_harmless_fields_are_accepted(server):
     assert post(server, "/v1/chat/completions", {**CHAT, **NO_OPS_BOTH, **NO_OPS_CHAT}).status_code == 200
     assert post(server, "/v1/completions", {**COMPLETION, **NO_OPS_BOTH, "suffix": "", "best_of": 1}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def bos_server(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a tokenizer that puts <|im_start|> before every text it encodes (as Llama's puts
+    BOS), so add_special_tokens changes a prompt's ids."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    model_dir = tmp_path_factory.mktemp("bos-model")
+    shutil.copytree(tiny_model_dir("llama"), model_dir, dirs_exist_ok=True)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos = "<|im_start|>"
+    tok.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(model_dir / "tokenizer.json"))
+    with ServerThread(model_dir, served_model_name="tiny") as s:
+        yield s
+
+
+def test_completion_text_prompts_take_add_special_tokens(bos_server):
+    """vLLM's completions field: true (the default) encodes a text prompt with the tokenizer's special tokens,
+    false without; the prompt-token count and /tokenize agree."""
+    def prompt_tokens(**extra):
+        return post(bos_server, "/v1/completions", {**COMPLETION, "prompt": "hello there", **extra}).json()["usage"]
+
+    plain = httpx.post(bos_server.url("/tokenize"), json={"prompt": "hello there", "add_special_tokens": False},
+                       timeout=30).json()["count"]
+    assert prompt_tokens()["prompt_tokens"] == plain + 1
+    assert prompt_tokens(add_special_tokens=True)["prompt_tokens"] == plain + 1
+    assert prompt_tokens(add_special_tokens=False)["prompt_tokens"] == plain
 
 
 def test_best_of_above_n_is_refused(server):
