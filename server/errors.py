@@ -74,16 +74,28 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     same_field = [e for e in errors if e.get("loc", ())[:1] == err.get("loc", ())[:1]]
     # In a union, a value error comes from the member whose type matched: it is the one that explains.
     err = next((e for e in same_field if _validation_code(e.get("type", "")) == "invalid_value"), err)
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    loc = _loc(err)
     kind = err.get("type", "")
-    field = next((p for p in loc if not p.isdigit()), None)
-    if field in _UNION_MESSAGES and len(same_field) > 1 and _validation_code(kind) == "invalid_type":
-        param, message, code = field, f"{field}: {_UNION_MESSAGES[field]}", "invalid_type"
+    union = _union_path(loc)
+    members = [e for e in errors if union and _loc(e)[:len(union)] == union]
+    if len(members) > 1 and _validation_code(kind) == "invalid_type":
+        param = ".".join(union)
+        message, code = f"{param}: {_UNION_MESSAGES[union[-1]]}", "invalid_type"
     else:
         param = ".".join(p for p in loc if "[" not in p) or None
         message = f"{param}: {err.get('msg', 'invalid')}" if param else err.get("msg", "invalid request")
         code = _validation_code(kind)
     return APIError(400, message, code, param)
+
+
+def _loc(err: dict) -> list[str]:
+    return [str(p) for p in err.get("loc", ()) if p != "body"]
+
+
+def _union_path(loc: list[str]) -> list[str]:
+    """The location up to its last field with a union message (messages.0.content, prompt), or []."""
+    last = next((i for i in range(len(loc) - 1, -1, -1) if loc[i] in _UNION_MESSAGES), None)
+    return [] if last is None else loc[:last + 1]
 
 
 def _validation_code(kind: str) -> str:

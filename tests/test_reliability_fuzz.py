@@ -78,7 +78,8 @@ def api_schema(server):
 # schemathesis' own pytest integration (from_fixture + parametrize) does not run under pytest 9; its
 # Python API does: one Hypothesis test per operation and generation mode.
 OPERATIONS = ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
-              "GET /v1/models", "GET /health", "GET /ready", "GET /metrics", "GET /version")
+              "GET /v1/models", "GET /v1/models/{model}", "GET /health", "GET /ready", "GET /metrics",
+              "GET /version")
 
 
 def test_every_operation_is_fuzzed(api_schema):

@@ -129,6 +129,18 @@ def test_invalid_request(server, name, path, body, headers, status, code):
     check_error_shape(resp, status, code)
 
 
+@pytest.mark.parametrize("path, body, param, says", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": 5}]},
+     "messages.1.content", "must be a string or a list of text parts"),
+    ("/v1/completions", ok_body(prompt={"text": "hi"}), "prompt", "must be a string, a list of strings"),
+    ("/v1/completions", ok_body(stop=5), "stop", "must be a string or a list of strings")])
+def test_a_value_of_no_member_of_a_union_is_named_by_its_path(server, path, body, param, says):
+    """A value that fits no member of a union field (chat content, prompt, stop) gets one message listing
+    what the field takes, at the field's path: not pydantic's error for the union's first member."""
+    err = check_error_shape(httpx.post(server.url(path), json=body, headers=AUTH, timeout=30), 400, "invalid_type")
+    assert err["param"] == param and err["message"].startswith(f"{param}: {says}"), err
+
+
 def test_server_still_serves_after_the_invalid_requests(server):
     resp = httpx.post(server.url("/v1/completions"), json=ok_body(), headers=AUTH, timeout=30)
     assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
