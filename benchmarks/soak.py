@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -239,8 +238,11 @@ def never_read_spec(rng: random.Random, index: int, model: str | None) -> Spec:
 
 ENUM_WORDS = ["a", "bc", "xyz", "red", "on", "ok"]
 CHOICE_WORDS = ["red", "green", "blue sky", "yes", "no", "maybe", "north", "south east"]
-REGEXES = [r"[a-z]{2,4}-\d{3}( [A-Z][a-z]{0,3})?", r"(yes|no|maybe)", r"\d{1,3}(\.\d{1,2})?",
-           r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5}){0,2}", r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)", r"\(\d{1,2}(,\d{1,2}){0,3}\)"]
+# \d and \w are Unicode classes: outputs are matched with the `regex` module, whose tables are as new as the
+# server's (Python 3.11's `re` does not know U+11BF9, a Sunuwar digit, as a digit).
+REGEXES = [r"[a-z]{2,4}-[0-9]{3}( [A-Z][a-z]{0,3})?", r"(yes|no|maybe)", r"\d{1,3}(\.\d{1,2})?",
+           r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5}){0,2}", r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)",
+           r"\([0-9]{1,2}(,[0-9]{1,2}){0,3}\)", r"\w{1,4}-\w{1,4}"]
 TOOL_PROMPTS = ["Weather in Paris?", "What time is it in Berlin?", "Look this up for me.", "Call a tool."]
 PROMPT_POOL = [" ".join(WORDS[i:i + 6 + i % 11]) for i in range(0, 24, 3)]  # repeated: prefix-cache hits
 
@@ -249,7 +251,7 @@ PROMPT_POOL = [" ".join(WORDS[i:i + 6 + i % 11]) for i in range(0, 24, 3)]  # re
 class Check:
     """What the 200 reply of a "structured" request must satisfy (plain data):
     json_schema / json_object / regex / choice: each choice's text, once it finished with `stop` and no stop
-    string cut it, validates (jsonschema, json object, re.fullmatch, membership); cut off (`length` or a stop
+    string cut it, validates (jsonschema, json object, regex.fullmatch, membership); cut off (`length` or a stop
     string) it is a prefix the constraint allows (choices and regexes; JSON is not checked then).
     tools: finish_reason `tool_calls`, calls of the tools given (the named one), arguments valid JSON of the
     tool's parameters schema; `length` is allowed (cut mid-call), `stop` is not.
@@ -672,7 +674,7 @@ def _validation_error(check: Check, text: str) -> str:
             return "not a JSON object"
     except (ValueError, jsonschema.ValidationError) as exc:
         return f"{type(exc).__name__}: {str(exc)[:150]}"
-    if check.form == "regex" and not re.fullmatch(check.pattern, text):
+    if check.form == "regex" and not regex.fullmatch(check.pattern, text):
         return f"does not match {check.pattern!r}"
     if check.form == "choice" and text not in check.choices:
         return f"not one of {check.choices}"
