@@ -919,6 +919,7 @@ class Report:
     finished_by_reason: dict[str, float]
     server_healthy_after: bool
     structured_finishes: dict[str, dict[str, int]] = field(default_factory=dict)  # form -> finish -> choices
+    preemptions: float = float("nan")  # kvserve_preemptions_total at the end (a small --num-kv-blocks: many)
     criteria: dict[str, bool] = field(default_factory=dict)
 
     @property
@@ -954,7 +955,7 @@ def make_report(plan, outcomes, metrics_end, rss_start, rss_end, elapsed, health
                     metrics_end.get("kvserve_kv_blocks_used", float("nan")),
                     metrics_end.get("kvserve_idle_invariant_violations_total", float("nan")),
                     rss_start, rss_end, growth, elapsed, len(plan) / elapsed if elapsed else 0.0, reasons, healthy,
-                    structured_finishes(outcomes))
+                    structured_finishes(outcomes), metrics_end.get("kvserve_preemptions_total", float("nan")))
     report.criteria = {"no_unexpected_failures": not failed,
                        "no_leaked_blocks": report.leaked_blocks == 0 and report.idle_invariant_violations == 0,
                        "rss_growth_ok": growth is None or growth < max_growth,
@@ -971,6 +972,7 @@ def print_table(r: Report) -> None:
             ("RSS start -> end", f"{mib(r.rss_start_bytes)} -> {mib(r.rss_end_bytes)}"),
             ("RSS growth", "n/a" if r.rss_growth is None else f"{100 * r.rss_growth:+.2f}%"),
             ("structured choices", _finishes_row(r)),
+            ("preemptions", f"{r.preemptions:g}"),
             ("finished by reason", ", ".join(f"{k} {v:g}" for k, v in sorted(r.finished_by_reason.items()))),
             ("elapsed", f"{r.elapsed_s:.1f} s ({r.requests_per_s:.1f} req/s)"),
             ("healthy after", str(r.server_healthy_after)),
