@@ -244,6 +244,10 @@ REGEXES = [r"[a-z]{2,4}-[0-9]{3}( [A-Z][a-z]{0,3})?", r"(yes|no|maybe)", r"\d{1,
            r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5}){0,2}", r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)",
            r"\([0-9]{1,2}(,[0-9]{1,2}){0,3}\)", r"\w{1,4}-\w{1,4}"]
 TOOL_PROMPTS = ["Weather in Paris?", "What time is it in Berlin?", "Look this up for me.", "Call a tool."]
+# tool_choice auto: a regex makes the random model write what --tool-call-parser hermes reads (text, then calls)
+HERMES_REPLY = (r'[A-Z][a-z]{1,8}\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n'
+                r'</tool_call>(\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", '
+                r'"days": [1-7]\}\}\n</tool_call>)?')
 PROMPT_POOL = [" ".join(WORDS[i:i + 6 + i % 11]) for i in range(0, 24, 3)]  # repeated: prefix-cache hits
 
 
@@ -391,7 +395,7 @@ def tool_defs(rng: random.Random) -> list[dict]:
 
 
 def tool_spec(rng: random.Random, index: int, model: str | None) -> Spec:
-    """Chat with tools and tool_choice `required` or a named function."""
+    """Chat with tools and tool_choice `required`, a named function, or `auto` (read by the hermes parser)."""
     tools = tool_defs(rng)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     body = {"messages": [{"role": "user", "content": rng.choice(TOOL_PROMPTS)}], "tools": tools,
@@ -399,7 +403,10 @@ def tool_spec(rng: random.Random, index: int, model: str | None) -> Spec:
     if model:
         body["model"] = model
     check = Check("tools", tools=schemas)
-    if rng.random() < 0.5:
+    r = rng.random()
+    if r < 0.2:
+        body["tool_choice"], body["structured_outputs"] = "auto", {"regex": HERMES_REPLY}
+    elif r < 0.6:
         check.named = rng.choice(list(schemas))
         body["tool_choice"] = {"type": "function", "function": {"name": check.named}}
     else:
@@ -701,11 +708,12 @@ def check_constrained(check: Check, reply: dict) -> str:
 
 
 def check_tool_calls(check: Check, reply: dict) -> str:
-    """Forced calls: finish tool_calls, known (or the named) tools, arguments valid for the tool."""
+    """Forced calls: finish tool_calls, known (or the named) tools, arguments valid for the tool, no call
+    markup left in the content."""
     finish, calls = reply["finish_reason"], [reply["calls"][i] for i in sorted(reply["calls"])]
     if finish == "length":
         return ""
-    if finish != "tool_calls" or not calls:
+    if finish != "tool_calls" or not calls or "tool_call>" in reply["text"]:
         return f"finish_reason {finish} with {len(calls)} calls, text {reply['text'][:120]!r}"
     if check.single and len(calls) > 1:
         return f"{len(calls)} calls with parallel_tool_calls false"
@@ -747,6 +755,24 @@ def check_prompt_logprobs(check: Check, reply: dict, usage: dict) -> str:
     return _tops_error(entries, check.k, "prompt_logprobs")
 
 
+def _close(a: dict | None, b: dict | None, tol: float = 1e-3) -> bool:
+    """Two prompt-logprob entries hold the same tokens with logprobs within tol."""
+    if a is None or b is None:
+        return a is b
+    return a.keys() == b.keys() and all(abs(a[t]["logprob"] - b[t]["logprob"]) <= tol for t in a)
+
+
+def same_prompt_logprobs(replies: list[dict]) -> str:
+    """The n choices of one prompt carry the same prompt logprobs (one prompt, one forward of it)."""
+    first = replies[0]["prompt_logprobs"] or []
+    for reply in replies[1:]:
+        other = reply["prompt_logprobs"] or []
+        bad = [i for i, (a, b) in enumerate(zip(first, other)) if not _close(a, b)]
+        if len(other) != len(first) or bad:
+            return f"prompt_logprobs differ between choices 0 and {reply['index']} at positions {bad[:5]}"
+    return ""
+
+
 def check_reply(check: Check, reply: dict, usage: dict | None) -> str:
     """'' when one choice satisfies its request's Check."""
     if check.form == "tools":
@@ -769,7 +795,9 @@ async def run_structured(client: httpx.AsyncClient, spec: Spec, finishes: dict[s
     for reply in replies:
         finishes[str(reply["finish_reason"])] = finishes.get(str(reply["finish_reason"]), 0) + 1
     errors = [e for e in (check_reply(spec.check, r, got["usage"]) for r in replies) if e]
-    return errors[0] if errors else ""
+    if spec.check.form == "prompt_logprobs":
+        errors += [same_prompt_logprobs(replies)]
+    return next((e for e in errors if e), "")
 
 
 async def run_one(client: httpx.AsyncClient, spec: Spec, timeout: float) -> Outcome:

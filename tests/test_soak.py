@@ -90,6 +90,9 @@ def test_structured_checks_fail_on_bad_replies():
     entries = [None, {"5": {"logprob": -1.0}}, {"6": {"logprob": -2.0}}]
     assert check(Check("prompt_logprobs", k=0), _reply(prompt_logprobs=entries), usage) == ""
     assert check(Check("prompt_logprobs", k=0), _reply(prompt_logprobs=entries[:2]), usage)
+    other = [None, {"5": {"logprob": -1.0}}, {"6": {"logprob": -2.5}}]
+    assert soak.same_prompt_logprobs([_reply(prompt_logprobs=entries), _reply(prompt_logprobs=entries)]) == ""
+    assert soak.same_prompt_logprobs([_reply(prompt_logprobs=entries), _reply(prompt_logprobs=other)])
     echo = {"tokens": ["a", "b", "c", "d"], "token_logprobs": [None, -1.0, -2.0, -0.5],
             "top_logprobs": [None, {"b": -1.0}, {"c": -2.0}, {"d": -0.5}]}
     assert check(Check("echo", k=1), _reply(logprobs=echo), usage) == ""
