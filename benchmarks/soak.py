@@ -13,11 +13,14 @@ at once, --slow-frac send their headers a few bytes at a time (within the header
 --never-read-frac start a stream with a tiny receive buffer, read nothing for a while, then hang up;
 --structured-frac are checked structured requests: constrained outputs (small random JSON schemas, json_object,
 regexes, choices; chat and completions, streamed and not, n up to 3) that must validate when they finish with
-`stop` (and be an allowed prefix when cut off), forced tool calls (tool_choice required or named; start the
-server with --tool-call-parser hermes) whose arguments must validate against the tool's schema, and prompt
-logprobs (echo + logprobs, prompt_logprobs) with one entry per prompt token. A third of the hang-ups are
-constrained too (some right after sending, while the grammar compiles), and the invalid requests include bad
-regexes and schemas (400 invalid_grammar) and an unknown tool_choice name (400 invalid_value). Reported, and the exit status is 0 only when all three hold:
+`stop` (and be an allowed prefix when cut off; a `<think>` regex is put back together from reasoning_content
+under --reasoning-parser), tool calls (tool_choice required, named, or auto with a regex writing hermes calls;
+start the server with --tool-call-parser hermes) whose arguments must validate against the tool's schema, and
+prompt logprobs (echo + logprobs, prompt_logprobs) with one entry per prompt token, the same for the n choices.
+A third of the hang-ups are constrained too (some right after sending, while the grammar compiles), and the
+invalid requests include bad regexes and schemas (400 invalid_grammar), an unknown tool_choice name (400
+invalid_value), min_tokens with a constraint and a streamed echo with logprobs (400 unsupported).
+Reported, and the exit status is 0 only when all three hold:
   * unexpected failures (anything but the expected outcome of each request) == 0
   * leaked KV blocks (`kvserve_kv_blocks_used` once the server is idle again) == 0,
     and no idle-invariant violation (`kvserve_idle_invariant_violations_total`)
@@ -242,7 +245,8 @@ CHOICE_WORDS = ["red", "green", "blue sky", "yes", "no", "maybe", "north", "sout
 # server's (Python 3.11's `re` does not know U+11BF9, a Sunuwar digit, as a digit).
 REGEXES = [r"[a-z]{2,4}-[0-9]{3}( [A-Z][a-z]{0,3})?", r"(yes|no|maybe)", r"\d{1,3}(\.\d{1,2})?",
            r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5}){0,2}", r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)",
-           r"\([0-9]{1,2}(,[0-9]{1,2}){0,3}\)", r"\w{1,4}-\w{1,4}"]
+           r"\([0-9]{1,2}(,[0-9]{1,2}){0,3}\)", r"\w{1,4}-\w{1,4}",
+           r"<think>[a-z ]{1,20}</think>\n\n[A-Z][a-z]{1,8}( [a-z]{1,6}){0,3}\."]  # --reasoning-parser splits it
 TOOL_PROMPTS = ["Weather in Paris?", "What time is it in Berlin?", "Look this up for me.", "Call a tool."]
 # tool_choice auto: a regex makes the random model write what --tool-call-parser hermes reads (text, then calls)
 HERMES_REPLY = (r'[A-Z][a-z]{1,8}\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n'
@@ -618,7 +622,7 @@ async def run_never_read(base_url: str, spec: Spec) -> str:
 
 def _reply(index: int) -> dict:
     """One choice as a client sees it: text, finish, stop_reason, tool calls by index, logprobs."""
-    return {"index": index, "text": "", "finish_reason": None, "stop_reason": None, "calls": {},
+    return {"index": index, "text": "", "reasoning": None, "finish_reason": None, "stop_reason": None, "calls": {},
             "logprobs": None, "prompt_logprobs": None}
 
 
@@ -626,6 +630,7 @@ def _reply_of_choice(choice: dict) -> dict:
     """A non-streamed choice (chat or completions) as a reply."""
     reply, message = _reply(choice["index"]), choice.get("message")
     reply["text"] = (message.get("content") or "") if message is not None else choice.get("text", "")
+    reply["reasoning"] = (message or {}).get("reasoning_content")
     for i, call in enumerate((message or {}).get("tool_calls") or []):
         reply["calls"][i] = {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
     for key in ("finish_reason", "stop_reason", "logprobs", "prompt_logprobs"):
@@ -637,6 +642,8 @@ def _absorb_delta(reply: dict, choice: dict) -> None:
     """A streamed chunk's choice into its reply: text, and argument pieces per tool-call index."""
     delta = choice.get("delta")
     reply["text"] += (delta.get("content") or "") if delta is not None else choice.get("text", "")
+    if (delta or {}).get("reasoning_content") is not None:
+        reply["reasoning"] = (reply["reasoning"] or "") + delta["reasoning_content"]
     for tc in (delta or {}).get("tool_calls") or []:
         call = reply["calls"].setdefault(tc["index"], {"name": "", "arguments": ""})
         fn = tc.get("function") or {}
@@ -697,9 +704,17 @@ def _prefix_error(check: Check, text: str) -> str:
     return ""
 
 
+def whole_text(reply: dict) -> str:
+    """The text the model wrote: reasoning_content (a --reasoning-parser split `<think>` off; the think regex
+    writes exactly "\n\n" after `</think>`) put back before the content."""
+    if reply["reasoning"] is None:
+        return reply["text"]
+    return f"<think>{reply['reasoning']}" + (f"</think>\n\n{reply['text']}" if reply["text"] else "")
+
+
 def check_constrained(check: Check, reply: dict) -> str:
     """A constrained choice: whole and valid when it stopped by itself, else an allowed prefix."""
-    finish, text = reply["finish_reason"], reply["text"]
+    finish, text = reply["finish_reason"], whole_text(reply)
     if finish not in ("stop", "length"):
         return f"finish_reason {finish}"
     cut = finish == "length" or isinstance(reply["stop_reason"], str)

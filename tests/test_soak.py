@@ -1,8 +1,8 @@
 """The soak script, short: 200 mixed requests (random sampling, 25% checked structured requests: constrained
 outputs, forced tool calls, prompt logprobs; 10% hang-ups, 5% invalid, 5% over a cap, 3% slow-header clients,
-3% streams never read) against a real `python -m server serve --tool-call-parser hermes` on a tiny model (its
-SmolLM2 tokenizer writes JSON). No unexpected failure, no KV block leaked, RSS growth < 10%. The structured
-checks themselves are shown to fail on bad replies."""
+3% streams never read) against a real `python -m server serve --tool-call-parser hermes --reasoning-parser` on
+a tiny model (its SmolLM2 tokenizer writes JSON). No unexpected failure, no KV block leaked, RSS growth < 10%.
+The structured checks themselves are shown to fail on bad replies."""
 from __future__ import annotations
 
 import importlib.util
@@ -32,7 +32,8 @@ def test_soak_200_requests(tiny_model_dir, tmp_path):
            "--num-requests", "200", "--concurrency", "8", "--max-tokens", "12", "--time-limit", "240",
            "--request-timeout", "60", "--json-out", str(out), "--no-progress",
            "--structured-frac", "0.25", "--server-arg=--num-kv-blocks", "--server-arg=256", "--server-arg=--device",
-           "--server-arg=cpu", "--server-arg=--tool-call-parser", "--server-arg=hermes"]
+           "--server-arg=cpu", "--server-arg=--tool-call-parser", "--server-arg=hermes",
+           "--server-arg=--reasoning-parser"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=380)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -58,8 +59,8 @@ def test_soak_200_requests(tiny_model_dir, tmp_path):
 
 
 def _reply(text="", finish="stop", stop_reason=None, calls=None, **extra) -> dict:
-    return {"index": 0, "text": text, "finish_reason": finish, "stop_reason": stop_reason, "calls": calls or {},
-            "logprobs": None, "prompt_logprobs": None, **extra}
+    return {"index": 0, "text": text, "reasoning": None, "finish_reason": finish, "stop_reason": stop_reason,
+            "calls": calls or {}, "logprobs": None, "prompt_logprobs": None, **extra}
 
 
 def test_structured_checks_fail_on_bad_replies():
@@ -79,6 +80,11 @@ def test_structured_checks_fail_on_bad_replies():
     assert check(Check("regex", pattern=r"\d{2}"), _reply("x", "length"), None)
     assert check(Check("choice", choices=["red", "blue"]), _reply("re", "stop", ","), None) == ""
     assert check(Check("choice", choices=["red", "blue"]), _reply("green"), None)
+    think = Check("regex", pattern=r"<think>[a-z]+</think>\n\nOk\.")
+    assert check(think, _reply("Ok.", reasoning="hm"), None) == ""
+    assert check(think, _reply("<think>hm</think>\n\nOk."), None) == ""
+    assert check(think, _reply("", "length", reasoning="hm"), None) == ""
+    assert check(think, _reply("Ok.", reasoning="hm</think>"), None)
     assert check(Check("choice", choices=["red", "blue"]), _reply("bl", "abort"), None)
     tools = Check("tools", tools={"f": schema}, named="f")
     call = {0: {"name": "f", "arguments": '{"a": 1}'}}
