@@ -24,8 +24,8 @@ Reported, and the exit status is 0 only when all three hold:
   * unexpected failures (anything but the expected outcome of each request) == 0
   * leaked KV blocks (`kvserve_kv_blocks_used` once the server is idle again) == 0,
     and no idle-invariant violation (`kvserve_idle_invariant_violations_total`)
-  * resident memory of the server process grows by less than --max-rss-growth (10%) from after the
-    warm-up to the end
+  * resident memory of the server process and its children (the engine core) grows by less than
+    --max-rss-growth (10%) from after the warm-up to the end
 Bounded in time: every request has a timeout and the whole run stops at --time-limit.
 Only a client: it imports nothing of kvserve.
 """
@@ -423,9 +423,12 @@ def tool_spec(rng: random.Random, index: int, model: str | None) -> Spec:
 
 def prompt_logprobs_spec(rng: random.Random, index: int, model: str | None) -> Spec:
     """Completions with echo + logprobs (n=1), or vLLM's prompt_logprobs (n up to 2); never streamed.
-    Prompts come from a small pool, so they repeat (the prefix cache must not cut prompt logprobs short)."""
+    Prompts come from a small pool, so they repeat (the prefix cache must not cut prompt logprobs short), or are
+    random text or token ids."""
     k = rng.randint(0, 5)
-    prompt = rng.choice(PROMPT_POOL) if rng.random() < 0.6 else _text(rng, 1, 40)
+    r = rng.random()
+    prompt = rng.choice(PROMPT_POOL) if r < 0.5 else _text(rng, 1, 40) if r < 0.8 else [
+        rng.randrange(100, 1000) for _ in range(rng.randint(1, 60))]
     body = {"prompt": prompt, "max_tokens": rng.randint(1, 16), "temperature": rng.choice([0.0, 1.0])}
     if model:
         body["model"] = model
@@ -937,10 +940,24 @@ class ServerProcess:
 
 
 def rss(pid: int | None) -> int | None:
+    """Resident bytes of the server: the process and all its children (the engine core is one: its grammar
+    matchers, caches and KV pool live there, not in the front end that `pid` is)."""
+    if not pid:
+        return None
     try:
-        return psutil.Process(pid).memory_info().rss if pid else None
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
     except psutil.Error:
         return None
+    return sum(_rss_of(p) for p in procs)
+
+
+def _rss_of(proc: psutil.Process) -> int:
+    """One process's resident bytes; 0 once it has gone."""
+    try:
+        return proc.memory_info().rss
+    except psutil.Error:
+        return 0
 
 
 # ------------------------------------------------------------------------------------------- the report
