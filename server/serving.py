@@ -121,7 +121,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, out: StepOutput) -> None:
-        if out.prompt_logprobs:
+        if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.new_text)
         self.token_ids += out.new_token_ids

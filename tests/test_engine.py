@@ -215,3 +215,12 @@ def test_prepare_inputs_one_token_rows_equal_the_general_path():
     assert (inputs.input_ids, inputs.positions, inputs.pending) == general(out)
     assert [(s.context_len, s.query_len) for s in inputs.seqs] == [(start, n) for start, n, _ in rows]
     assert inputs.sample_indices == [2, 3, 4, 5, 8]
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_are_an_empty_list(llm):
+    """Found by the soak: a one-token prompt has no position to score; asked for, its prompt_logprobs are []
+    (from the second token on), not None (not asked)."""
+    one, two = llm.generate([[500], [500, 501]], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert one.outputs[0].prompt_logprobs == [] and len(two.outputs[0].prompt_logprobs) == 1
+    plain = llm.generate([[500]], SamplingParams(max_tokens=1))[0]
+    assert plain.outputs[0].prompt_logprobs is None
