@@ -424,11 +424,11 @@ def tool_spec(rng: random.Random, index: int, model: str | None) -> Spec:
 def prompt_logprobs_spec(rng: random.Random, index: int, model: str | None) -> Spec:
     """Completions with echo + logprobs (n=1), or vLLM's prompt_logprobs (n up to 2); never streamed.
     Prompts come from a small pool, so they repeat (the prefix cache must not cut prompt logprobs short), or are
-    random text or token ids."""
+    random text or token ids, some a single token (nothing to score: one null entry)."""
     k = rng.randint(0, 5)
     r = rng.random()
-    prompt = rng.choice(PROMPT_POOL) if r < 0.5 else _text(rng, 1, 40) if r < 0.8 else [
-        rng.randrange(100, 1000) for _ in range(rng.randint(1, 60))]
+    prompt = rng.choice(PROMPT_POOL) if r < 0.45 else _text(rng, 1, 40) if r < 0.75 else [
+        rng.randrange(100, 1000) for _ in range(1 if r < 0.85 else rng.randint(2, 60))]  # one token: [null]
     body = {"prompt": prompt, "max_tokens": rng.randint(1, 16), "temperature": rng.choice([0.0, 1.0])}
     if model:
         body["model"] = model
