@@ -90,6 +90,8 @@ def test_structured_checks_fail_on_bad_replies():
     call = {0: {"name": "f", "arguments": '{"a": 1}'}}
     assert check(tools, _reply(finish="tool_calls", calls=call), None) == ""
     assert check(tools, _reply(finish="stop", calls=call), None)
+    assert check(tools, _reply(finish="stop", stop_reason='"', calls={0: {"name": "f", "arguments": "{"}}), None) == ""
+    assert check(tools, _reply(finish="tool_calls", calls={0: {"name": "f", "arguments": "{"}}), None)
     assert check(tools, _reply(finish="tool_calls", calls={0: {"name": "g", "arguments": '{"a": 1}'}}), None)
     assert check(tools, _reply(finish="tool_calls", calls={0: {"name": "f", "arguments": '{"a": 9}'}}), None)
     usage = {"prompt_tokens": 3, "completion_tokens": 1}
