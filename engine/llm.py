@@ -69,7 +69,7 @@ def _apply(result: RequestOutput, delta: StepOutput) -> bool:
         for lp in delta.new_logprobs:
             total += lp.logprob
         out.cumulative_logprob = total
-    if delta.prompt_logprobs:
+    if delta.prompt_logprobs is not None:  # [] for a one-token prompt: still asked
         out.prompt_logprobs = delta.prompt_logprobs
     if delta.num_cached_tokens > result.num_cached_tokens:
         result.num_cached_tokens = delta.num_cached_tokens

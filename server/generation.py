@@ -161,7 +161,7 @@ class Generation:
             if d.logprobs:
                 comp.logprobs = (comp.logprobs or []) + d.logprobs
             comp.num_cached = max(comp.num_cached, d.num_cached_tokens)
-            if d.prompt_logprobs:
+            if d.prompt_logprobs is not None:  # [] for a one-token prompt: still asked
                 comp.prompt_logprobs = d.prompt_logprobs
         reason = FinishReason(last.finish_reason) if last.finish_reason is not None else None
         if reason is None and len(comp.tokens) < self.stream_interval:

@@ -121,7 +121,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprob] | None = None
 
     def add(self, out: StepOutput) -> None:
-        if out.prompt_logprobs:
+        if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.new_text)
         self.token_ids += out.new_token_ids
@@ -364,7 +364,7 @@ def chat_stream(ctx: ServingContext, gen: Generation, req: ChatCompletionRequest
                 reply = replies[out.index]
                 deltas = reply.deltas(out.new_text, out.finished) or [{}]
                 finish = out.finish_reason.value if out.finished else None
-                finish = "tool_calls" if reply.called and finish == "stop" else finish
+                finish = reply.finish_reason(finish)
                 for i, delta in enumerate(deltas):  # logprobs on the first, the finish on the last
                     last = i == len(deltas) - 1
                     yield chunk([{"index": out.index, "delta": delta, "logprobs": None if i else lps,

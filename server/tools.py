@@ -73,8 +73,24 @@ def reply_message(text: str, parser, reasoning: bool, finish_reason: str | None)
     message["content"] = text if text.strip() or not calls else None
     if calls:
         message["tool_calls"] = [c.to_dict() for c in calls]
-        finish_reason = "tool_calls" if finish_reason in ("stop", None) else finish_reason
+        finish_reason = tool_finish(finish_reason, [c.arguments for c in calls])
     return message, finish_reason
+
+
+def tool_finish(finish_reason: str | None, arguments: list[str]) -> str | None:
+    """`tool_calls` for a reply that stopped with calls whose arguments are all whole JSON; a call cut off
+    (max_tokens, a stop string, an early EOS) keeps the reply's own finish reason."""
+    if arguments and finish_reason in ("stop", None) and all(_is_json(a) for a in arguments):
+        return "tool_calls"
+    return finish_reason
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def piece_delta(piece: Piece) -> dict:
@@ -98,6 +114,7 @@ class StreamReply:
         self.tools = parser.stream() if parser is not None else None
         self.reasoning = StreamingReasoning() if reasoning else None
         self.called = False
+        self.arguments: dict[int, str] = {}  # call index -> its arguments text so far
 
     def deltas(self, text: str, finished: bool) -> list[dict]:
         out: list[dict] = []
@@ -109,4 +126,13 @@ class StreamReply:
             return [{**(out[0] if out else {}), "content": text}] if text else out
         pieces = self.tools.feed(text) + (self.tools.finish() if finished else [])
         self.called = self.called or any(p.index >= 0 for p in pieces)
+        for p in pieces:
+            if p.index >= 0:
+                self.arguments[p.index] = self.arguments.get(p.index, "") + p.arguments
         return out + [piece_delta(p) for p in pieces]
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        """The finish to send: `stop` with whole calls is `tool_calls` (tool_finish)."""
+        if finish != "stop" or not self.called:
+            return finish
+        return tool_finish(finish, list(self.arguments.values()))

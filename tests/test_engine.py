@@ -225,3 +225,12 @@ def test_step_token_budget_follows_the_device_unless_set(llm):
     assert resolve_max_num_batched_tokens(None, torch.device("cuda")) == 8192
     assert resolve_max_num_batched_tokens(512, torch.device("cuda")) == 512
     assert resolve_max_num_batched_tokens(16384, torch.device("cpu")) == 16384
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_are_an_empty_list(llm):
+    """Found by the soak: a one-token prompt has no position to score; asked for, its prompt_logprobs are []
+    (from the second token on), not None (not asked)."""
+    one, two = llm.generate([[500], [500, 501]], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert one.outputs[0].prompt_logprobs == [] and len(two.outputs[0].prompt_logprobs) == 1
+    plain = llm.generate([[500]], SamplingParams(max_tokens=1))[0]
+    assert plain.outputs[0].prompt_logprobs is None

@@ -225,6 +225,16 @@ def test_vllm_prompt_logprobs(server, hf_prompt_logprobs, path):
         assert len(plps[0]) == len(ids) and max(abs(a - b) for a, b in zip(got, want)) < 1e-4
 
 
+def test_prompt_logprobs_of_a_one_token_prompt_is_one_null(server):
+    """Found by the soak: a one-token prompt has no logprob to score, and its prompt_logprobs is [null] (one
+    entry per prompt token, as vLLM gives), not null. The engine sends an empty list, which the front end and
+    the offline LLM took for "not asked"."""
+    for prompt in ([500], "hi"):
+        body = post(server, "/v1/completions", {**COMPLETION, "prompt": prompt, "prompt_logprobs": 0, "n": 2}).json()
+        assert body["usage"]["prompt_tokens"] == 1
+        assert [c["prompt_logprobs"] for c in body["choices"]] == [[None], [None]], body
+
+
 def test_prompt_logprobs_refused_with_stream(server):
     err = post(server, "/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1, "stream": True}).json()
     assert err["error"]["code"] == "unsupported" and err["error"]["param"] == "prompt_logprobs"

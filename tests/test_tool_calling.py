@@ -254,6 +254,20 @@ def test_required_and_named_tool_choice_from_a_random_model(server, stream):
             assert [c["function"]["name"] for c in calls] == ["get_time"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(server, stream):
+    """Found by the soak's probes: a named tool_choice whose arguments a stop string cut (`{`) came back with
+    finish_reason `tool_calls`, which tells a client the call is whole. Like a call cut by max_tokens
+    (`length`), it keeps its own finish reason (`stop`); a whole call still finishes as `tool_calls`."""
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    body = dict(messages=CONVERSATION[:1], tools=[WEATHER], tool_choice=forced, temperature=0.0)
+    calls, finish = streamed_calls(server, {**body, "stop": ['"']}) if stream else _calls(
+        chat(server, **body, stop=['"']))
+    assert finish == "stop" and [c["function"]["arguments"] for c in calls] in ([], ["{"]), (finish, calls)
+    calls, finish = streamed_calls(server, body) if stream else _calls(chat(server, **body))
+    assert finish == "tool_calls" and json.loads(calls[0]["function"]["arguments"])
+
+
 def _calls(body: dict):
     choice = body["choices"][0]
     return choice["message"]["tool_calls"], choice["finish_reason"]
