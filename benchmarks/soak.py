@@ -27,7 +27,8 @@ Reported, and the exit status is 0 only when all three hold:
   * resident memory of the server process and its children (the engine core) grows by less than
     --max-rss-growth (10%) from after the warm-up to the end
 Bounded in time: every request has a timeout and the whole run stops at --time-limit.
-Only a client: it imports nothing of kvserve.
+Only a client: it imports nothing of kvserve's engine or server (its structured requests and their checks are
+in bench/soak_structured.py and bench/soak_checks.py).
 """
 from __future__ import annotations
 
@@ -46,38 +47,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import jsonschema
 import psutil
-import regex
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex every bold jumping zebra "
-         "under grey skies rivers run to the sea and all the kings men could not mend it again").split()
+sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
+
+from bench.soak_checks import check_reply, fetch_replies, same_prompt_logprobs  # noqa: E402
+from bench.soak_spec import Spec, random_text  # noqa: E402
+from bench.soak_structured import REGEXES, object_schema, structured_spec, tool_defs  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------- the plan
-
-
-@dataclass
-class Spec:
-    """One planned request."""
-    index: int
-    kind: str  # "valid" | "structured" | "disconnect" | "invalid" | "oversized" | "slow" | "never_read"
-    path: str  # "/v1/completions" | "/v1/chat/completions"
-    body: dict | None  # JSON body; None when `raw` is sent instead
-    raw: bytes | None = None
-    stream: bool = False
-    expect_status: int = 200
-    expect_code: str | None = None
-    hangup: str = ""  # disconnects: "before_first_token" | "mid_stream" | "non_streaming"
-    hangup_after: float = 0.0  # seconds (non-streaming) or events (mid-stream)
-    check: Check | None = None  # "structured": what its reply must satisfy
-
-
-def _text(rng: random.Random, lo: int, hi: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
 def _sampling(rng: random.Random, max_tokens: int) -> dict:
@@ -113,17 +95,17 @@ def valid_spec(rng: random.Random, index: int, model: str | None, max_tokens: in
         if rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
     if rng.random() < 0.3:
-        body["messages"] = [{"role": "user", "content": _text(rng, 1, 30)}]
+        body["messages"] = [{"role": "user", "content": random_text(rng, 1, 30)}]
         if rng.random() < 0.2:
             body["logprobs"], body["top_logprobs"] = True, rng.randint(0, 5)
         return Spec(index, "valid", "/v1/chat/completions", body, stream=stream)
     shape = rng.random()
     if shape < 0.6:
-        body["prompt"] = _text(rng, 1, 60)
+        body["prompt"] = random_text(rng, 1, 60)
     elif shape < 0.8:
         body["prompt"] = [rng.randrange(100, 1000) for _ in range(rng.randint(1, 100))]
     else:
-        body["prompt"], body["n"] = [_text(rng, 1, 20) for _ in range(rng.randint(2, 3))], 1
+        body["prompt"], body["n"] = [random_text(rng, 1, 20) for _ in range(rng.randint(2, 3))], 1
     if rng.random() < 0.2:
         body["logprobs"] = rng.randint(0, 5)
     elif rng.random() < 0.1:
@@ -148,7 +130,7 @@ def _constrain_for_disconnect(rng: random.Random, body: dict) -> None:
 
 def disconnect_spec(rng: random.Random, index: int, model: str | None) -> Spec:
     # Long enough (ignore_eos) that the hang-up usually comes while the request is still running.
-    body = {"prompt": _text(rng, 5, 150), "max_tokens": 256, "ignore_eos": True,
+    body = {"prompt": random_text(rng, 5, 150), "max_tokens": 256, "ignore_eos": True,
             "temperature": rng.choice([0.0, 1.0])}
     if model:
         body["model"] = model
@@ -230,227 +212,11 @@ def slow_spec(rng: random.Random, index: int, model: str | None, max_tokens: int
 
 
 def never_read_spec(rng: random.Random, index: int, model: str | None) -> Spec:
-    body = {"prompt": _text(rng, 5, 50), "max_tokens": 256, "ignore_eos": True, "stream": True, "n": 4,
+    body = {"prompt": random_text(rng, 5, 50), "max_tokens": 256, "ignore_eos": True, "stream": True, "n": 4,
             "logprobs": 5}
     if model:
         body["model"] = model
     return Spec(index, "never_read", "/v1/completions", body, stream=True, hangup_after=rng.uniform(1.0, 4.0))
-
-
-# ------------------------------------------------------------------------ structured outputs, tools, prompt logprobs
-
-ENUM_WORDS = ["a", "bc", "xyz", "red", "on", "ok"]
-CHOICE_WORDS = ["red", "green", "blue sky", "yes", "no", "maybe", "north", "south east"]
-# \d and \w are Unicode classes: outputs are matched with the `regex` module, whose tables are as new as the
-# server's (Python 3.11's `re` does not know U+11BF9, a Sunuwar digit, as a digit).
-REGEXES = [r"[a-z]{2,4}-[0-9]{3}( [A-Z][a-z]{0,3})?", r"(yes|no|maybe)", r"\d{1,3}(\.\d{1,2})?",
-           r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5}){0,2}", r"[a-z]{1,6}@[a-z]{1,6}\.(com|org)",
-           r"\([0-9]{1,2}(,[0-9]{1,2}){0,3}\)", r"\w{1,4}-\w{1,4}",
-           r"<think>[a-z ]{1,20}</think>\n\n[A-Z][a-z]{1,8}( [a-z]{1,6}){0,3}\."]  # --reasoning-parser splits it
-TOOL_PROMPTS = ["Weather in Paris?", "What time is it in Berlin?", "Look this up for me.", "Call a tool."]
-# tool_choice auto: a regex makes the random model write what --tool-call-parser hermes reads (text, then calls)
-HERMES_REPLY = (r'[A-Z][a-z]{1,8}\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "(UTC|CET)"\}\}\n'
-                r'</tool_call>(\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", '
-                r'"days": [1-7]\}\}\n</tool_call>)?')
-PROMPT_POOL = [" ".join(WORDS[i:i + 6 + i % 11]) for i in range(0, 24, 3)]  # repeated: prefix-cache hits
-
-
-@dataclass
-class Check:
-    """What the 200 reply of a "structured" request must satisfy (plain data):
-    json_schema / json_object / regex / choice: each choice's text, once it finished with `stop` and no stop
-    string cut it, validates (jsonschema, json object, regex.fullmatch, membership); cut off (`length` or a stop
-    string) it is a prefix the constraint allows (choices and regexes; JSON is not checked then).
-    tools: finish_reason `tool_calls`, calls of the tools given (the named one), arguments valid JSON of the
-    tool's parameters schema; `length` is allowed (cut mid-call), `stop` is not.
-    echo / prompt_logprobs: one logprob per prompt token, the first null, each with at most k + 1 tops."""
-    form: str  # "json_schema" | "json_object" | "regex" | "choice" | "tools" | "echo" | "prompt_logprobs"
-    schema: dict | None = None
-    pattern: str | None = None
-    choices: list[str] | None = None
-    tools: dict[str, dict] | None = None  # tool name -> its parameters schema
-    named: str | None = None  # tools: the name tool_choice forces
-    single: bool = False  # tools: parallel_tool_calls false, at most one call
-    k: int = 0  # echo / prompt_logprobs: top logprobs asked for
-
-
-def leaf_schema(rng: random.Random) -> dict:
-    """A schema a weak model can finish: strings and numbers bounded."""
-    pick = rng.randrange(6)
-    if pick == 0:
-        return {"type": "string", "maxLength": rng.randint(0, 6)}
-    if pick == 1:
-        return {"type": "string", "enum": rng.sample(ENUM_WORDS, rng.randint(1, 3))}
-    if pick == 2:
-        lo = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 200)}
-    return rng.choice([{"type": "boolean"}, {"type": "null"}, {"enum": [1, "two", None]}])
-
-
-def random_schema(rng: random.Random, depth: int) -> dict:
-    """A leaf, or (depth left) an array with maxItems <= 3 or an object."""
-    r = rng.random()
-    if depth <= 0 or r < 0.55:
-        return leaf_schema(rng)
-    if r < 0.8:
-        return {"type": "array", "items": random_schema(rng, depth - 1), "maxItems": rng.randint(0, 3)}
-    return object_schema(rng, depth - 1)
-
-
-def object_schema(rng: random.Random, depth: int = 1) -> dict:
-    """An object of 1-3 properties, some required, no others allowed."""
-    props = {f"k{i}": random_schema(rng, depth) for i in range(rng.randint(1, 3))}
-    required = [name for name in props if rng.random() < 0.6]
-    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-
-
-def _constrain_json(rng: random.Random, body: dict) -> Check:
-    """A random schema in one of the three request forms."""
-    schema = object_schema(rng, 2)
-    form = rng.choice(["response_format", "structured_outputs", "guided_json"])
-    if form == "response_format":
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-    elif form == "structured_outputs":
-        body["structured_outputs"] = {"json": schema}
-    else:
-        body["guided_json"] = json.dumps(schema)
-    return Check("json_schema", schema=schema)
-
-
-def _constrain_json_object(rng: random.Random, body: dict) -> Check:
-    """Any JSON object (the random model may go on to max_tokens: `length` is then expected)."""
-    if rng.random() < 0.5:
-        body["response_format"] = {"type": "json_object"}
-    else:
-        body["structured_outputs"] = {"json_object": True}
-    return Check("json_object")
-
-
-def _constrain_regex(rng: random.Random, body: dict) -> Check:
-    pattern = rng.choice(REGEXES)
-    if rng.random() < 0.5:
-        body["structured_outputs"] = {"regex": pattern}
-    else:
-        body["guided_regex"] = pattern
-    return Check("regex", pattern=pattern)
-
-
-def _constrain_choice(rng: random.Random, body: dict) -> Check:
-    choices = rng.sample(CHOICE_WORDS, rng.randint(2, 4))
-    if rng.random() < 0.5:
-        body["structured_outputs"] = {"choice": choices}
-    else:
-        body["guided_choice"] = choices
-    return Check("choice", choices=choices)
-
-
-def _constrained_sampling(rng: random.Random) -> dict:
-    """Greedy or sampled, n up to 3, max_tokens 64-160 (room for most outputs to end), stop strings sometimes."""
-    body = {"max_tokens": rng.randint(64, 160), "temperature": rng.choice([0.0, 0.0, 0.7, 1.0]),
-            "top_p": rng.choice([1.0, 1.0, 0.9]), "top_k": rng.choice([-1, -1, 5, 40]),
-            "n": rng.choice([1, 1, 2, 3])}
-    if rng.random() < 0.5:
-        body["seed"] = rng.randrange(2 ** 31)
-    if rng.random() < 0.15:
-        body["stop"] = rng.choice([",", "\n", ["e"], ["}", "]"]])
-    if rng.random() < 0.1:
-        body["presence_penalty"] = rng.choice([0.5, -0.5])
-    return body
-
-
-def _streaming(rng: random.Random, body: dict) -> bool:
-    stream = rng.random() < 0.5
-    if stream:
-        body["stream"] = True
-        if rng.random() < 0.3:
-            body["stream_options"] = {"include_usage": True}
-    return stream
-
-
-def constrained_spec(rng: random.Random, index: int, model: str | None) -> Spec:
-    """A valid constrained request: JSON schema, json_object, regex or choice; chat or completions."""
-    body = _constrained_sampling(rng)
-    if model:
-        body["model"] = model
-    constrain = rng.choice([_constrain_json, _constrain_json, _constrain_json_object, _constrain_regex,
-                            _constrain_choice])
-    check = constrain(rng, body)
-    stream = _streaming(rng, body)
-    if rng.random() < 0.5:
-        body["messages"] = [{"role": "user", "content": _text(rng, 1, 20)}]
-        if rng.random() < 0.2:
-            body["logprobs"], body["top_logprobs"] = True, rng.randint(0, 5)
-        return Spec(index, "structured", "/v1/chat/completions", body, stream=stream, check=check)
-    body["prompt"] = _text(rng, 1, 30)
-    if rng.random() < 0.2:
-        body["logprobs"] = rng.randint(0, 5)
-    return Spec(index, "structured", "/v1/completions", body, stream=stream, check=check)
-
-
-def tool_defs(rng: random.Random) -> list[dict]:
-    """Two fixed tools and a random one."""
-    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-               "required": ["city", "days"], "additionalProperties": False}
-    time_ = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
-             "additionalProperties": False}
-    params = {"get_weather": weather, "get_time": time_, f"tool_{rng.randrange(100)}": object_schema(rng, 1)}
-    return [{"type": "function", "function": {"name": name, "parameters": p}} for name, p in params.items()]
-
-
-def tool_spec(rng: random.Random, index: int, model: str | None) -> Spec:
-    """Chat with tools and tool_choice `required`, a named function, or `auto` (read by the hermes parser)."""
-    tools = tool_defs(rng)
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
-    body = {"messages": [{"role": "user", "content": rng.choice(TOOL_PROMPTS)}], "tools": tools,
-            "max_tokens": rng.randint(96, 160), "temperature": rng.choice([0.0, 0.7, 1.0]), "n": rng.choice([1, 1, 2])}
-    if model:
-        body["model"] = model
-    check = Check("tools", tools=schemas)
-    r = rng.random()
-    if r < 0.2:
-        body["tool_choice"], body["structured_outputs"] = "auto", {"regex": HERMES_REPLY}
-    elif r < 0.6:
-        check.named = rng.choice(list(schemas))
-        body["tool_choice"] = {"type": "function", "function": {"name": check.named}}
-    else:
-        body["tool_choice"] = "required"
-        if rng.random() < 0.3:
-            body["parallel_tool_calls"], check.single = False, True
-    if rng.random() < 0.1:
-        body["stop"] = rng.choice(['"', ",", ["}"], ["e"]])  # may cut a call: then finish stays `stop`
-    stream = _streaming(rng, body)
-    return Spec(index, "structured", "/v1/chat/completions", body, stream=stream, check=check)
-
-
-def prompt_logprobs_spec(rng: random.Random, index: int, model: str | None) -> Spec:
-    """Completions with echo + logprobs (n=1), or vLLM's prompt_logprobs (n up to 2); never streamed.
-    Prompts come from a small pool, so they repeat (the prefix cache must not cut prompt logprobs short), or are
-    random text or token ids, some a single token (nothing to score: one null entry)."""
-    k = rng.randint(0, 5)
-    r = rng.random()
-    prompt = rng.choice(PROMPT_POOL) if r < 0.45 else _text(rng, 1, 40) if r < 0.75 else [
-        rng.randrange(100, 1000) for _ in range(1 if r < 0.85 else rng.randint(2, 60))]  # one token: [null]
-    body = {"prompt": prompt, "max_tokens": rng.randint(1, 16), "temperature": rng.choice([0.0, 1.0])}
-    if model:
-        body["model"] = model
-    if rng.random() < 0.5:
-        body["echo"], body["logprobs"] = True, k
-        return Spec(index, "structured", "/v1/completions", body, check=Check("echo", k=k))
-    body["prompt_logprobs"], body["n"] = k, rng.choice([1, 2])
-    if rng.random() < 0.3:
-        body["logprobs"] = rng.randint(0, 3)
-    return Spec(index, "structured", "/v1/completions", body, check=Check("prompt_logprobs", k=k))
-
-
-def structured_spec(rng: random.Random, index: int, model: str | None) -> Spec:
-    """One of: a constrained request (55%), a forced tool call (25%), prompt logprobs (20%)."""
-    r = rng.random()
-    if r < 0.55:
-        return constrained_spec(rng, index, model)
-    if r < 0.8:
-        return tool_spec(rng, index, model)
-    return prompt_logprobs_spec(rng, index, model)
 
 
 def make_plan(num: int, seed: int, model: str | None, disconnect_frac: float, invalid_frac: float,
@@ -620,188 +386,6 @@ async def run_never_read(base_url: str, spec: Spec) -> str:
     await asyncio.sleep(spec.hangup_after)
     writer.transport.abort()
     return ""
-
-
-# ---------------------------------------------------------------- structured replies: assembled, then checked
-
-
-def _reply(index: int) -> dict:
-    """One choice as a client sees it: text, finish, stop_reason, tool calls by index, logprobs."""
-    return {"index": index, "text": "", "reasoning": None, "finish_reason": None, "stop_reason": None, "calls": {},
-            "logprobs": None, "prompt_logprobs": None}
-
-
-def _reply_of_choice(choice: dict) -> dict:
-    """A non-streamed choice (chat or completions) as a reply."""
-    reply, message = _reply(choice["index"]), choice.get("message")
-    reply["text"] = (message.get("content") or "") if message is not None else choice.get("text", "")
-    reply["reasoning"] = (message or {}).get("reasoning_content")
-    for i, call in enumerate((message or {}).get("tool_calls") or []):
-        reply["calls"][i] = {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
-    for key in ("finish_reason", "stop_reason", "logprobs", "prompt_logprobs"):
-        reply[key] = choice.get(key)
-    return reply
-
-
-def _absorb_delta(reply: dict, choice: dict) -> None:
-    """A streamed chunk's choice into its reply: text, and argument pieces per tool-call index."""
-    delta = choice.get("delta")
-    reply["text"] += (delta.get("content") or "") if delta is not None else choice.get("text", "")
-    if (delta or {}).get("reasoning_content") is not None:
-        reply["reasoning"] = (reply["reasoning"] or "") + delta["reasoning_content"]
-    for tc in (delta or {}).get("tool_calls") or []:
-        call = reply["calls"].setdefault(tc["index"], {"name": "", "arguments": ""})
-        fn = tc.get("function") or {}
-        call["name"] += fn.get("name") or ""
-        call["arguments"] += fn.get("arguments") or ""
-    if choice.get("finish_reason") is not None:
-        reply["finish_reason"], reply["stop_reason"] = choice["finish_reason"], choice.get("stop_reason")
-
-
-async def fetch_replies(client: httpx.AsyncClient, spec: Spec) -> dict:
-    """{"error": what went wrong or "", "replies": [...], "usage": {...}}: the whole body, or the stream
-    assembled from its deltas (which must end with [DONE])."""
-    if not spec.stream:
-        resp = await client.post(spec.path, json=spec.body)
-        if resp.status_code != 200:
-            return {"error": f"status {resp.status_code}: {resp.text[:200]}"}
-        data = resp.json()
-        return {"error": "", "replies": [_reply_of_choice(c) for c in data["choices"]], "usage": data.get("usage")}
-    replies, done = {}, False
-    async with client.stream("POST", spec.path, json=spec.body) as resp:
-        if resp.status_code != 200:
-            await resp.aread()
-            return {"error": f"status {resp.status_code}: {resp.text[:200]}"}
-        async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return {"error": f"stream error event {event['error']}"}
-                for choice in event.get("choices", []):
-                    _absorb_delta(replies.setdefault(choice["index"], _reply(choice["index"])), choice)
-    return {"error": "" if done else "stream ended without [DONE]", "replies": list(replies.values()), "usage": None}
-
-
-def _validation_error(check: Check, text: str) -> str:
-    """'' when a whole constrained text satisfies its constraint."""
-    try:
-        if check.form == "json_schema":
-            jsonschema.validate(json.loads(text), check.schema)
-        elif check.form == "json_object" and not isinstance(json.loads(text), dict):
-            return "not a JSON object"
-    except (ValueError, jsonschema.ValidationError) as exc:
-        return f"{type(exc).__name__}: {str(exc)[:150]}"
-    if check.form == "regex" and not regex.fullmatch(check.pattern, text):
-        return f"does not match {check.pattern!r}"
-    if check.form == "choice" and text not in check.choices:
-        return f"not one of {check.choices}"
-    return ""
-
-
-def _prefix_error(check: Check, text: str) -> str:
-    """'' when a cut-off text is a prefix the constraint allows (JSON is not checked)."""
-    if check.form == "choice" and not any(c.startswith(text) for c in check.choices):
-        return f"not a prefix of one of {check.choices}"
-    if check.form == "regex" and not regex.fullmatch(check.pattern, text, partial=True):
-        return f"not a prefix {check.pattern!r} allows"
-    return ""
-
-
-def whole_text(reply: dict) -> str:
-    """The text the model wrote: reasoning_content (a --reasoning-parser split `<think>` off; the think regex
-    writes exactly "\n\n" after `</think>`) put back before the content."""
-    if reply["reasoning"] is None:
-        return reply["text"]
-    return f"<think>{reply['reasoning']}" + (f"</think>\n\n{reply['text']}" if reply["text"] else "")
-
-
-def check_constrained(check: Check, reply: dict) -> str:
-    """A constrained choice: whole and valid when it stopped by itself, else an allowed prefix."""
-    finish, text = reply["finish_reason"], whole_text(reply)
-    if finish not in ("stop", "length"):
-        return f"finish_reason {finish}"
-    cut = finish == "length" or isinstance(reply["stop_reason"], str)
-    error = _prefix_error(check, text) if cut else _validation_error(check, text)
-    return f"{check.form} output {text[:120]!r} ({finish}): {error}" if error else ""
-
-
-def check_tool_calls(check: Check, reply: dict) -> str:
-    """Tool calls: finish tool_calls, known (or the named) tools, arguments valid for the tool, no call markup
-    left in the content; cut off (`length`, or `stop` by a stop string) nothing is checked."""
-    finish, calls = reply["finish_reason"], [reply["calls"][i] for i in sorted(reply["calls"])]
-    if finish == "length" or (finish == "stop" and isinstance(reply["stop_reason"], str)):
-        return ""  # cut off (max_tokens, a stop string): whatever was read so far
-    if finish != "tool_calls" or not calls or "tool_call>" in reply["text"]:
-        return f"finish_reason {finish} with {len(calls)} calls, text {reply['text'][:120]!r}"
-    if check.single and len(calls) > 1:
-        return f"{len(calls)} calls with parallel_tool_calls false"
-    for call in calls:
-        if call["name"] not in check.tools or (check.named and call["name"] != check.named):
-            return f"call of {call['name']!r} (tools {sorted(check.tools)}, named {check.named})"
-        try:
-            jsonschema.validate(json.loads(call["arguments"]), check.tools[call["name"]])
-        except (ValueError, jsonschema.ValidationError) as exc:
-            return f"arguments {call['arguments'][:120]!r}: {type(exc).__name__}: {str(exc)[:120]}"
-    return ""
-
-
-def _tops_error(entries: list, k: int, what: str) -> str:
-    """Each entry after the first has 1..k+1 top logprobs; the first is null."""
-    if not entries or entries[0] is not None:
-        return f"{what}: the first prompt token's entry is {entries[:1]}, not null"
-    bad = [i for i, e in enumerate(entries[1:], 1) if not isinstance(e, dict) or not 1 <= len(e) <= k + 1]
-    return f"{what}: entries {bad[:5]} hold not 1..{k + 1} logprobs" if bad else ""
-
-
-def check_echo(check: Check, reply: dict, usage: dict) -> str:
-    """echo + logprobs (n=1): a token per prompt and output token, the first logprob null, the rest numbers."""
-    lps = reply["logprobs"] or {}
-    tokens, values = lps.get("tokens") or [], lps.get("token_logprobs") or []
-    want = usage["prompt_tokens"] + usage["completion_tokens"]
-    if len(tokens) != want or len(values) != want:
-        return f"echo: {len(tokens)} tokens, {len(values)} logprobs for {want} prompt + output tokens"
-    if values[0] is not None or not all(isinstance(v, (int, float)) for v in values[1:]):
-        return f"echo: token_logprobs {values[:3]}... (the first must be null, the rest numbers)"
-    return _tops_error(lps.get("top_logprobs") or [], max(check.k, 1), "echo top_logprobs")
-
-
-def check_prompt_logprobs(check: Check, reply: dict, usage: dict) -> str:
-    """prompt_logprobs: one entry per prompt token (the first null), each with the token and the top k."""
-    entries = reply["prompt_logprobs"] or []
-    if len(entries) != usage["prompt_tokens"]:
-        return f"prompt_logprobs: {len(entries)} entries for {usage['prompt_tokens']} prompt tokens"
-    return _tops_error(entries, check.k, "prompt_logprobs")
-
-
-def _close(a: dict | None, b: dict | None, tol: float = 1e-3) -> bool:
-    """Two prompt-logprob entries hold the same tokens with logprobs within tol."""
-    if a is None or b is None:
-        return a is b
-    return a.keys() == b.keys() and all(abs(a[t]["logprob"] - b[t]["logprob"]) <= tol for t in a)
-
-
-def same_prompt_logprobs(replies: list[dict]) -> str:
-    """The n choices of one prompt carry the same prompt logprobs (one prompt, one forward of it)."""
-    first = replies[0]["prompt_logprobs"] or []
-    for reply in replies[1:]:
-        other = reply["prompt_logprobs"] or []
-        bad = [i for i, (a, b) in enumerate(zip(first, other)) if not _close(a, b)]
-        if len(other) != len(first) or bad:
-            return f"prompt_logprobs differ between choices 0 and {reply['index']} at positions {bad[:5]}"
-    return ""
-
-
-def check_reply(check: Check, reply: dict, usage: dict | None) -> str:
-    """'' when one choice satisfies its request's Check."""
-    if check.form == "tools":
-        return check_tool_calls(check, reply)
-    if check.form == "echo":
-        return check_echo(check, reply, usage)
-    if check.form == "prompt_logprobs":
-        return check_prompt_logprobs(check, reply, usage)
-    return check_constrained(check, reply)
 
 
 async def run_structured(client: httpx.AsyncClient, spec: Spec, finishes: dict[str, int]) -> str:

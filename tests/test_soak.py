@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.soak_checks import check_reply, same_prompt_logprobs
+from bench.soak_spec import Check
+
 REPO = Path(__file__).resolve().parent.parent
 CONSTRAINED = ("json_schema", "json_object", "regex", "choice", "tools")
 
@@ -66,8 +69,7 @@ def _reply(text="", finish="stop", stop_reason=None, calls=None, **extra) -> dic
 def test_structured_checks_fail_on_bad_replies():
     """What the soak's checks refuse: an output that stopped but does not validate, a cut-off choice that is
     no prefix, a tool call of the wrong tool or with invalid arguments, prompt logprobs of the wrong length."""
-    soak = soak_module()
-    Check, check = soak.Check, soak.check_reply
+    check = check_reply
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}, "required": ["a"]}
     assert check(Check("json_schema", schema=schema), _reply('{"a":2}'), None) == ""
     assert check(Check("json_schema", schema=schema), _reply('{"a":7}'), None)
@@ -99,8 +101,8 @@ def test_structured_checks_fail_on_bad_replies():
     assert check(Check("prompt_logprobs", k=0), _reply(prompt_logprobs=entries), usage) == ""
     assert check(Check("prompt_logprobs", k=0), _reply(prompt_logprobs=entries[:2]), usage)
     other = [None, {"5": {"logprob": -1.0}}, {"6": {"logprob": -2.5}}]
-    assert soak.same_prompt_logprobs([_reply(prompt_logprobs=entries), _reply(prompt_logprobs=entries)]) == ""
-    assert soak.same_prompt_logprobs([_reply(prompt_logprobs=entries), _reply(prompt_logprobs=other)])
+    assert same_prompt_logprobs([_reply(prompt_logprobs=entries), _reply(prompt_logprobs=entries)]) == ""
+    assert same_prompt_logprobs([_reply(prompt_logprobs=entries), _reply(prompt_logprobs=other)])
     echo = {"tokens": ["a", "b", "c", "d"], "token_logprobs": [None, -1.0, -2.0, -0.5],
             "top_logprobs": [None, {"b": -1.0}, {"c": -2.0}, {"d": -0.5}]}
     assert check(Check("echo", k=1), _reply(logprobs=echo), usage) == ""
