@@ -11,11 +11,13 @@ from server.reasoning import ReasoningParser, StreamingReasoning
 from server.tool_parsers import NamedParser, RequiredParser, parser_for
 from server.tool_stream import Piece
 
-ANY_OBJECT = {"type": "object"}
+# OpenAI: "Omitting parameters defines a function with an empty parameter list": a forced call of such a tool
+# writes {} (with "any object", a random model ran to max_tokens inside the arguments).
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _params_schema(tool) -> dict:
-    return tool.function.parameters or ANY_OBJECT
+    return tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
 
 
 def tool_parser(req, parser_name: str | None, chat_template: str | None):

@@ -268,6 +268,18 @@ def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(server, strea
     assert finish == "tool_calls" and json.loads(calls[0]["function"]["arguments"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_without_parameters_is_called_with_none(server, stream):
+    """OpenAI: omitting `parameters` defines a function with an empty parameter list, so a forced call of it
+    writes `{}` (and, named or required, finishes at once, not at max_tokens)."""
+    ping = {"type": "function", "function": {"name": "ping"}}
+    for choice in ({"type": "function", "function": {"name": "ping"}}, "required"):
+        body = dict(messages=CONVERSATION[:1], tools=[ping], tool_choice=choice, temperature=1.0, seed=3)
+        calls, finish = streamed_calls(server, body) if stream else _calls(chat(server, **body))
+        assert finish == "tool_calls" and calls, (finish, calls)
+        assert all(c["function"]["name"] == "ping" and json.loads(c["function"]["arguments"]) == {} for c in calls)
+
+
 def _calls(body: dict):
     choice = body["choices"][0]
     return choice["message"]["tool_calls"], choice["finish_reason"]
