@@ -10,7 +10,8 @@ workload runs --repeat times. Every `step()` call is timed on the host; with asy
 when the device has finished the step before it, so in steady state a call's time is a step's device time.
 Every repetition schedules the same steps (fixed output lengths, ignore_eos), so step i of one repetition is
 step i of the others. Prints the totals by kind of step (with prompt tokens or decode-only) and the steps
-that lost most against the last repetition, with what each ran; writes all of it as JSON.
+that lost most against the last repetition, with what each ran, and the CUDA allocator's segments before and
+after each repetition; writes all of it as JSON.
 """
 from __future__ import annotations
 
@@ -58,6 +59,17 @@ class StepRecorder:
         outputs = step()
         self.steps.append({"s": time.perf_counter() - start, **self._last})
         return outputs
+
+
+def allocator_state() -> dict | None:
+    """CUDA caching allocator: segments cudaMalloc'ed so far and bytes reserved (None on the CPU). A first
+    repetition that adds segments while the later ones add none is paying for allocator growth."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.memory_stats()
+    return {"segments_allocated": stats.get("segment.all.allocated", 0), "reserved_bytes": torch.cuda.memory_reserved()}
 
 
 def compare(first: list[dict], last: list[dict], top: int) -> dict:
@@ -116,14 +128,17 @@ def main() -> int:
         warm_up(llm, w)
         recorder, reps = StepRecorder(llm.engine), []
         for _ in range(args.repeat):
-            start = time.perf_counter()
+            before, start = allocator_state(), time.perf_counter()
             llm.generate(w.prompts, workload_params(w))
-            reps.append({"s": time.perf_counter() - start, "steps": recorder.take()})
-            print(f"repetition {len(reps)}: {reps[-1]['s']:.3f} s, {len(reps[-1]['steps'])} steps", flush=True)
+            elapsed = time.perf_counter() - start
+            reps.append({"s": elapsed, "steps": recorder.take(), "allocator": [before, allocator_state()]})
+            print(f"repetition {len(reps)}: {reps[-1]['s']:.3f} s, {len(reps[-1]['steps'])} steps; allocator "
+                  f"before / after: {reps[-1]['allocator']}", flush=True)
     result = compare(reps[0]["steps"], reps[-1]["steps"], args.top)
     report(result)
     if args.out:
         Path(args.out).write_text(json.dumps({"repetitions_s": [r["s"] for r in reps], **result,
+                                              "allocator": [r["allocator"] for r in reps],
                                               "per_step": [r["steps"] for r in reps]}))
     return 0
 
