@@ -3,13 +3,15 @@
     python benchmarks/grammar_engines.py --out grammar_engines.json
 
 For each schema (and a regex and a choice), on the SmolLM2 tokenizer (the embedded model's; the tests' tiny
-random models carry the same one), it measures
+random models carry the same one) or, with --tokenizer wb-bpe, the H200 structured W-B's, it measures
   - compile: a fresh compile of the grammar for that tokenizer (xgrammar: GrammarCompiler.compile_*, its
     cache off; llguidance: the LLMatcher constructor, which builds the lexer; grammar_from_* included);
   - mask: the time to fill one row's token bitmask at each step of a valid output, fed token by token
     (median and p99 over the steps), single-threaded;
   - batch: one step's masks for 64 rows (different positions of the same output) filled by the library's
-    parallel filler (llguidance LLExecutor; xgrammar BatchGrammarMatcher where the version has it).
+    parallel filler (llguidance LLExecutor; xgrammar BatchGrammarMatcher where the version has it), each time
+    on fresh rows: llguidance keeps a matcher's mask until it consumes a token, so refilling the same rows
+    (what this script did before 2026-12-04, night) timed a cached copy.
 Prints a table and writes JSON. Tokenizer set-up (once per process, cached by the server) is reported apart.
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.structured_mix import SCHEMA as RECORD_SCHEMA  # noqa: E402  (the H200 structured W-B's schema)
+
 SCHEMAS = {
     "flat": ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}, {"name": "Ada Lovelace", "age": 36}),
@@ -35,6 +39,8 @@ SCHEMAS = {
                                                    "score": {"type": "number"}}, "required": ["email"]}},
         "required": ["id", "tags", "owner"]},
         {"id": 7, "tags": ["a", "c"], "owner": {"email": "ada@example.com", "score": 1.5}}),
+    "record": (RECORD_SCHEMA, {"id": 12, "title": "open server request", "status": "open", "tags": ["a", "token"],
+                               "owner": {"name": "ada", "email": "ada@model.com"}, "score": 1.5}),
     "wide": ({"type": "object", "properties": {f"field_{i}": {"type": ["string", "integer", "boolean"]}
                                                for i in range(40)}, "required": [f"field_{i}" for i in range(40)]},
              {f"field_{i}": (i if i % 3 == 0 else (f"v{i}" if i % 3 == 1 else True)) for i in range(40)}),
@@ -139,29 +145,54 @@ def measure(engine, kind: str, spec, text: str, hf_tok, batch: int) -> dict:
     for t in tokens:
         fills.append(timed(lambda: engine.fill(m, mask))[1])
         engine.accept(m, t)
-    rows = [engine.matcher(compiled) for _ in range(batch)]  # row i at position i % len(tokens)
+    batch_ms = []
+    for _ in range(5):  # fresh rows each time: llguidance keeps a matcher's mask until its next token
+        rows = rows_at_positions(engine, compiled, tokens, batch)
+        batch_ms.append(timed(lambda: engine.fill_batch(rows, mask))[1])
+    return {"compile_ms": min(compile_ms, compile2_ms), "tokens": len(tokens), **summary(fills),
+            "batch": batch, "batch_fill_ms": statistics.median(batch_ms)}
+
+
+def rows_at_positions(engine, compiled, tokens: list[int], batch: int) -> list:
+    """`batch` matchers, row i after the output's first i % len(tokens) tokens: one step of a batch whose
+    rows are at every point of the output."""
+    rows = [engine.matcher(compiled) for _ in range(batch)]
     for i, row in enumerate(rows):
         for t in tokens[:i % len(tokens)]:
             engine.accept(row, t)
-    batch_ms = [timed(lambda: engine.fill_batch(rows, mask))[1] for _ in range(5)]
-    return {"compile_ms": min(compile_ms, compile2_ms), "tokens": len(tokens), **summary(fills),
-            "batch": batch, "batch_fill_ms": statistics.median(batch_ms)}
+    return rows
+
+
+def load_tokenizer(name: str):
+    """(HF tokenizer, vocabulary size) of --tokenizer."""
+    from transformers import AutoTokenizer
+
+    if name == "wb-bpe":
+        import tempfile
+
+        from bench.bpe_tokenizer import save_bpe_tokenizer
+
+        out = Path(tempfile.mkdtemp(prefix="wb-bpe-"))
+        save_bpe_tokenizer(151936, 151643, out)  # Qwen2.5-0.5B's vocabulary size and EOS id
+        return AutoTokenizer.from_pretrained(out), 151936
+    from tests.conftest import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), 49152
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: unchanged)")
+    ap.add_argument("--tokenizer", choices=("smollm2", "wb-bpe"), default="smollm2",
+                    help="smollm2: the embedded model's (49,152 ids); wb-bpe: the byte-level BPE of the H200 "
+                         "structured W-B's random model (bench/bpe_tokenizer.py, 151,936 ids)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tests.conftest import smollm2_gguf_path
-    from transformers import AutoTokenizer
-
-    path = smollm2_gguf_path()
-    hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    vocab = 49152
+    hf_tok, vocab = load_tokenizer(args.tokenizer)
     cases = [(f"json:{k}", "json", s, json.dumps(v)) for k, (s, v) in SCHEMAS.items()]
     cases += [("regex", "regex", REGEX[0], REGEX[1]), ("choice", "choice", CHOICE[0], CHOICE[1])]
     results = {}
