@@ -10,8 +10,9 @@ suffix that may grow into a marker is held back); from a marker on, a call goes 
 closed (index, id, name, `arguments: ""`), then its arguments in pieces as they are read (server/tool_scan.py),
 as OpenAI streams them. Nothing is sent that could still turn out to be something else. A whole reply is
 parsed by the same machine fed at once, so every chunking yields the same content and calls. Text that
-started like a call but is not one (no name before the object ends, not JSON) is released as content; after a
-call, whitespace-only text between and after calls is dropped.
+started like a call but is not one (no name before the object ends, not JSON) is released as content, except
+under tool_choice required, whose reply the grammar forces (cut before a name closed, it is dropped, not shown
+as a JSON fragment); after a call, whitespace-only text between and after calls is dropped.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class ToolParser:
     shape = "one"  # one (an object, then `close`) | list ([obj, ...] or one obj) | chain (obj; obj ...)
     close = ""
     args_keys: tuple[str, ...] = ("arguments", "parameters")
+    forced = False  # tool_choice required: a grammar wrote the reply, so none of it is content
 
     def stream(self, new_id=new_call_id) -> ToolStream:
         return ToolStream(self, new_id)
@@ -53,6 +55,7 @@ class Llama3JsonParser(ToolParser):
 class RequiredParser(ToolParser):
     """tool_choice required: the grammar made the reply a JSON array of {"name", "parameters"}."""
     start, shape, args_keys = "section", "list", ("parameters", "arguments")
+    forced = True
 
 
 class NamedParser(ToolParser):

@@ -73,7 +73,7 @@ class ToolStream:
 
     def _run(self, final: bool) -> None:
         step = {"content": self._content, "plain": self._content, "start": self._start,
-                "section": self._section, "args": self._args}
+                "section": self._section, "args": self._args, "drop": self._drop}
         while step[self.mode](final):
             pass
 
@@ -131,11 +131,19 @@ class ToolStream:
         self._sync()
         if not (self.section.done or self.section.failed or final):
             return False
+        if not self.section.committed and self.parser.forced:  # a forced reply that is no call: not content
+            self.mode = "drop"
+            return True
         if not self.section.committed:  # not a call after all: its text is content
             self._say(self.held[:self.lead])
             self.buf = self.held[self.lead:] + self.buf
         self.mode = "content" if self.parser.markers else "plain"
         return True
+
+    def _drop(self, final: bool) -> bool:
+        """A forced reply (tool_choice required) that did not open with a call: none of it is content."""
+        self.buf = ""
+        return False
 
     def _sync(self) -> None:
         """Pieces for what the section's scans have read: a call once its name is known, new argument text."""

@@ -154,6 +154,19 @@ def test_a_cut_off_call_keeps_what_was_sent():
     assert HermesParser().parse('<tool_call>{"nam') == ('<tool_call>{"nam', [])
 
 
+@pytest.mark.parametrize("text", ['[', '[{"nam', '[{"name": "get_we', '[{"name": "get_weather", "parameters": {"ci'])
+def test_a_forced_reply_cut_short_is_never_content(text):
+    """tool_choice required: the grammar wrote the reply, so a reply cut before its first call's name closed
+    is no content (not a JSON fragment shown as the assistant's words), whole or streamed in any chunking;
+    once the name closed, the call is kept with its arguments so far."""
+    want = RequiredParser().parse(text)
+    assert want[0] == "" and [c.name for c in want[1]] == (["get_weather"] if "parameters" in text else [])
+    for cut in range(1, len(text)):
+        s = RequiredParser().stream()
+        pieces = s.feed(text[:cut]) + s.feed(text[cut:]) + s.finish()
+        assert "".join(p.content for p in pieces) == "" and [c.name for c in s.calls] == [c.name for c in want[1]]
+
+
 @pytest.mark.parametrize("text", ["<think>step 1, then 2</think>\n\nThe answer is 4.", "No thinking here.",
                                   "<think>unfinished thought", "<thin is not a tag"])
 def test_reasoning_split_agrees_in_every_chunking(text, smollm2_tokenizer):
@@ -266,6 +279,13 @@ def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(server, strea
     assert finish == "stop" and [c["function"]["arguments"] for c in calls] in ([], ["{"]), (finish, calls)
     calls, finish = streamed_calls(server, body) if stream else _calls(chat(server, **body))
     assert finish == "tool_calls" and json.loads(calls[0]["function"]["arguments"])
+
+
+def test_required_cut_by_max_tokens_shows_no_json_fragment(server):
+    """Through the server: tool_choice required cut after two tokens ends with `length` and no content."""
+    body = chat(server, messages=CONVERSATION[:1], tools=[WEATHER], tool_choice="required", max_tokens=2)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"]["content"], choice
 
 
 @pytest.mark.parametrize("stream", [False, True])
