@@ -17,7 +17,7 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 
 def _params_schema(tool) -> dict:
-    return tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
+    return tool.function.parameters or NO_PARAMETERS  # {} too: arguments are an object, never any JSON value
 
 
 def tool_parser(req, parser_name: str | None, chat_template: str | None):

@@ -291,10 +291,12 @@ def test_required_cut_by_max_tokens_shows_no_json_fragment(server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tool_without_parameters_is_called_with_none(server, stream):
     """OpenAI: omitting `parameters` defines a function with an empty parameter list, so a forced call of it
-    writes `{}` (and, named or required, finishes at once, not at max_tokens)."""
-    ping = {"type": "function", "function": {"name": "ping"}}
-    for choice in ({"type": "function", "function": {"name": "ping"}}, "required"):
-        body = dict(messages=CONVERSATION[:1], tools=[ping], tool_choice=choice, temperature=1.0, seed=3)
+    writes `{}` (and, named or required, finishes at once, not at max_tokens); `parameters: {}` too (an empty
+    schema would otherwise let the arguments be any JSON value, not an object)."""
+    for ping, choice in itertools.product(({"name": "ping"}, {"name": "ping", "parameters": {}}),
+                                          ({"type": "function", "function": {"name": "ping"}}, "required")):
+        tools = [{"type": "function", "function": ping}]
+        body = dict(messages=CONVERSATION[:1], tools=tools, tool_choice=choice, temperature=1.0, seed=3)
         calls, finish = streamed_calls(server, body) if stream else _calls(chat(server, **body))
         assert finish == "tool_calls" and calls, (finish, calls)
         assert all(c["function"]["name"] == "ping" and json.loads(c["function"]["arguments"]) == {} for c in calls)
