@@ -109,14 +109,11 @@ def piece_delta(piece: Piece) -> dict:
 
 
 class StreamReply:
-    """One choice's stream: each text delta -> the deltas to send now (maybe none), each its own chunk;
-    `called` once a tool call has started."""
+    """One choice's stream: each text delta -> the deltas to send now (maybe none), each its own chunk."""
 
     def __init__(self, parser, reasoning: bool) -> None:
         self.tools = parser.stream() if parser is not None else None
         self.reasoning = StreamingReasoning() if reasoning else None
-        self.called = False
-        self.arguments: dict[int, str] = {}  # call index -> its arguments text so far
 
     def deltas(self, text: str, finished: bool) -> list[dict]:
         out: list[dict] = []
@@ -127,14 +124,10 @@ class StreamReply:
         if self.tools is None:  # one delta, reasoning and content together
             return [{**(out[0] if out else {}), "content": text}] if text else out
         pieces = self.tools.feed(text) + (self.tools.finish() if finished else [])
-        self.called = self.called or any(p.index >= 0 for p in pieces)
-        for p in pieces:
-            if p.index >= 0:
-                self.arguments[p.index] = self.arguments.get(p.index, "") + p.arguments
         return out + [piece_delta(p) for p in pieces]
 
     def finish_reason(self, finish: str | None) -> str | None:
-        """The finish to send: `stop` with whole calls is `tool_calls` (tool_finish)."""
-        if finish != "stop" or not self.called:
+        """The finish to send: `stop` with whole calls (the stream's, so far) is `tool_calls` (tool_finish)."""
+        if finish != "stop" or self.tools is None:
             return finish
-        return tool_finish(finish, list(self.arguments.values()))
+        return tool_finish(finish, [c.arguments for c in self.tools.calls])
