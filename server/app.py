@@ -382,11 +382,15 @@ def _add_ops_routes(app: FastAPI, aengine: EngineClient) -> None:
         body = {"status": "ok" if ok else "unavailable", "detail": detail}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
-    @app.get("/health", response_model=R.HealthResponse, responses={503: {"model": R.HealthResponse}})
+    probe = {"response_model": R.HealthResponse, "responses": {503: {"model": R.HealthResponse}}}
+
+    # HEAD too (load balancers and `curl -I` probe with it); /ping is vLLM's (SageMaker's) name for /health.
+    @app.api_route("/health", methods=["GET", "HEAD"], **probe)
+    @app.api_route("/ping", methods=["GET", "POST"], **probe)
     async def health():
         return status_response(*aengine.health())
 
-    @app.get("/ready", response_model=R.HealthResponse, responses={503: {"model": R.HealthResponse}})
+    @app.api_route("/ready", methods=["GET", "HEAD"], **probe)
     async def ready():
         return status_response(*aengine.readiness())
 

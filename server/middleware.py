@@ -5,7 +5,7 @@ import hmac
 
 from server.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/ready", "/metrics", "/version"})
 MAX_HEADER_BYTES = 32 * 1024
 
 

@@ -196,8 +196,12 @@ def test_api_key_required(server):
     for path in ("/v1/models", "/v1/models/tiny", "/v1/models/nope", "/tokenize", "/detokenize"):
         method = httpx.get if path.startswith("/v1/models") else httpx.post
         assert method(server.url(path)).status_code == 401
-    for path in ("/health", "/ready", "/metrics", "/version"):
+    for path in ("/health", "/ping", "/ready", "/metrics", "/version"):
         assert httpx.get(server.url(path)).status_code == 200
+    for path in ("/health", "/ready"):  # probes that send HEAD (load balancers, curl -I) get the status alone
+        head = httpx.head(server.url(path))
+        assert head.status_code == 200 and head.content == b"" and head.headers["content-type"] == "application/json"
+    assert httpx.post(server.url("/ping")).json()["status"] == "ok"
     assert httpx.post(url, json=ok_body(), headers={"X-API-Key": KEY}, timeout=30).status_code == 200
 
 
