@@ -77,10 +77,40 @@ def check_grammar(so: StructuredOutput, tokenizer, limits: GrammarLimits) -> str
 
 def llg_tokenizer(hf_tokenizer, vocab_size: int, eos_ids) -> object:
     """The llguidance view of a HF tokenizer (~0.4 s for 49k tokens: build once). Masks are vocab_size wide
-    (the model's logits), and every EOS id ends a grammar."""
+    (the model's logits), and every EOS id ends a grammar. llguidance before 1.7 takes one EOS id (1.6.1 is the
+    newest wheel for glibc 2.28, as on our H200 host): then the first of grammar_eos_ids ends it, and
+    EosAliases stands the others in for it."""
     import llguidance.hf
 
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
+    eos = sorted(eos_ids)
+    try:
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+    except TypeError:  # an int only: the tokenizer's own EOS if it is one of ours
+        own = hf_tokenizer.eos_token_id
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                            eos_token=own if own in eos or not eos else eos[0])
+
+
+def grammar_eos_ids(llg_tok) -> list[int]:
+    """The EOS ids an llguidance tokenizer ends grammars with (one before llguidance 1.7)."""
+    return list(getattr(llg_tok, "eos_tokens", None) or [llg_tok.eos_token])
+
+
+@dataclass(frozen=True)
+class EosAliases:
+    """EOS ids the grammar does not know (llguidance before 1.7 knows one): each is allowed where `primary` is,
+    and a matcher consumes `primary` in its place."""
+    primary: int
+    others: tuple[int, ...]
+
+    @classmethod
+    def of(cls, llg_tok, eos_ids) -> EosAliases | None:
+        known = grammar_eos_ids(llg_tok)
+        others = tuple(sorted(set(eos_ids) - set(known)))
+        return cls(known[0], others) if others else None
+
+    def token(self, token: int) -> int:
+        return self.primary if token in self.others else token
 
 
 class LRU:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.grammar import LRU, GrammarLimits, grammar_text, llg_tokenizer
+from engine.grammar import LRU, EosAliases, GrammarLimits, grammar_text, llg_tokenizer
 from engine.request import Request, RequestError, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -26,13 +26,14 @@ CACHE_SIZE = 256  # compiled grammars kept (a pristine matcher each; requests ge
 
 class Grammar:
     """One completion's position in its grammar."""
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "aliases")
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, aliases: EosAliases | None = None) -> None:
         self.matcher = matcher
+        self.aliases = aliases
 
     def accept(self, token: int) -> bool:
-        return self.matcher.consume_token(token)
+        return self.matcher.consume_token(token if self.aliases is None else self.aliases.token(token))
 
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
@@ -52,6 +53,7 @@ class StructuredOutputs:
         self.eos_ids = frozenset(eos_ids)
         self.limits = limits or GrammarLimits()
         self._tokenizer = None  # the llguidance tokenizer, built in the compile thread on first use
+        self._aliases: EosAliases | None = None  # EOS ids that tokenizer does not know (set with it)
         self._executor = None  # llguidance.LLExecutor, made on the first fill
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
@@ -72,14 +74,14 @@ class StructuredOutputs:
 
         if self._tokenizer is None:
             self._tokenizer = llg_tokenizer(self.hf_tokenizer, self.vocab_size, self.eos_ids)
+            self._aliases = EosAliases.of(self._tokenizer, self.eos_ids)
         matcher = LLMatcher(self._tokenizer, grammar_text(so), log_level=0, limits=self.limits.to_llguidance())
         if matcher.is_error():
             raise RequestError(f"{so.param()}: {matcher.get_error()[:500]}", "invalid_grammar", so.param())
         return matcher
 
-    @staticmethod
-    def new_grammar(compiled: Future) -> Grammar:
-        return Grammar(compiled.result().deep_copy())
+    def new_grammar(self, compiled: Future) -> Grammar:
+        return Grammar(compiled.result().deep_copy(), self._aliases)
 
     # ---- masks (the runner: filled once the previous step's tokens are consumed, applied before sampling) --
     def fill(self, requests: list[Request]) -> MaskBatch | None:
@@ -95,6 +97,8 @@ class StructuredOutputs:
         bitmask = torch.empty(len(rows), self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         self._executor.unsafe_compute_mask_ptr([(requests[i].grammar.matcher, j) for j, i in enumerate(rows)],
                                                bitmask.data_ptr(), self.words * 4, len(rows))
+        if self._aliases is not None:
+            _allow_like(bitmask, self._aliases)
         return MaskBatch(rows, bitmask)
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
@@ -117,3 +121,11 @@ class StructuredOutputs:
 
     def shutdown(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
+
+
+def _allow_like(bitmask: torch.Tensor, aliases: EosAliases) -> None:
+    """Each of aliases.others is allowed in the rows where aliases.primary is."""
+    word, bit = divmod(aliases.primary, 32)
+    allowed = (bitmask[:, word] >> bit) & 1
+    for token in aliases.others:
+        bitmask[:, token // 32] |= allowed << (token % 32)
