@@ -253,11 +253,18 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, stri
              mask=offs_d < HEAD_DIM)
 
 
-def _tiles(head_dim_p: int, group: int, decode_only: bool) -> tuple[int, int, int, int]:
+def _tiles(head_dim_p: int, group: int, decode_only: bool, page_size: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): short row tiles for decodes, taller ones when prefills are in.
-    Sized so that ptxas reports no spills on sm_90 (checked for head dims 64 and 128)."""
+    Sized so that ptxas reports no spills on sm_90 (checked for head dims 64 and 128).
+    Decodes read keys 128 at a time, 4 warps, over 128-token pages, and at head dim 128 over any page. On the
+    H200, 64 sequences a layer (CUDA graph, benchmarks/attention_kernels.py, 2026-12-05) against 64 keys:
+    head dim 64 at ~8k keys 82.7 against 98.5 us, ~32k 282 against 292 us (128-token pages; over 16-token
+    pages 85 against 76 us at ~8k, so those keep 64); head dim 128 at ~8k 520 against 557-575 us, ~32k 1995-2007
+    against 2104-2183 us (pages of 128 and 16)."""
     block_m = 16 if decode_only else (128 if head_dim_p <= 64 else 64)
     block_m = max(block_m, triton.next_power_of_2(group))
+    if decode_only and head_dim_p <= 128 and (page_size >= 128 or head_dim_p == 128):
+        return block_m, 128, 4, 2
     block_n = 64 if head_dim_p <= 128 else 32
     num_warps = 4 if decode_only and head_dim_p <= 64 else 8
     return block_m, block_n, num_warps, 2
@@ -293,14 +300,14 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            num_splits: int | None = None, decode_split_keys: int | None = None,
                            tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, dim] -> [num_tokens, num_heads, dim]. `num_splits` and
-    `decode_split_keys` (a multiple of the key tile, 64) None: chosen from shapes (_num_splits,
+    `decode_split_keys` (a multiple of the key tile, 64 or 128) None: chosen from shapes (_num_splits,
     _decode_split_keys, _decode_splits); tests and benchmarks force them, and `tiles` (_tiles' tuple)."""
     num_tokens, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     head_dim_p = triton.next_power_of_2(head_dim)
     decode_only = meta.num_prefills == 0
-    block_m, block_n, num_warps, num_stages = tiles or _tiles(head_dim_p, group, decode_only)
+    block_m, block_n, num_warps, num_stages = tiles or _tiles(head_dim_p, group, decode_only, page_size)
     block_q = block_m // group
     grid_q = meta.num_seqs if decode_only else num_tokens // block_q + meta.num_seqs
     max_keys = meta.block_tables.shape[1] * page_size

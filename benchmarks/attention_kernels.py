@@ -122,10 +122,12 @@ TRITON_VARIANTS = {"triton (split-KV off)": {"num_splits": 1}, **{
 # Prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) against _tiles' choice, for batches with prefills.
 TRITON_PREFILL_TILES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
                         (256, 64, 8, 2)]
-# Decode tiles against _tiles' (16, 64, 4, 2) for head dim 64: whole 128-token pages per tile, deeper pipelines
-# (W-L's decode attention reads K/V at ~3.3 TB/s); each checked in tests/test_attention_gpu.py first. 16 rows:
-# the GQA group (7) padded to a power of two, at least 16.
-TRITON_DECODE_TILES = [(16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 4), (16, 256, 8, 2)]
+# Decode tiles against _tiles' choice: the 64-key tiles it picked before 2026-12-05 for head dims 64 and 128
+# (it now reads 128 keys at a time over 128-token pages and at head dim 128), and others (whole 128-token pages
+# per tile, deeper pipelines); each checked in tests/test_attention_gpu.py first. 16 rows: the GQA group (7)
+# padded to a power of two, at least 16.
+TRITON_DECODE_TILES = [(16, 64, 4, 2), (16, 64, 8, 2), (16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 4),
+                       (16, 256, 8, 2)]
 
 
 def bench_dense_prefill(batch, heads: tuple[int, int, int], iters: int, kernel: str) -> dict | None:

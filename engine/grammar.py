@@ -126,6 +126,9 @@ class LRU:
             self._items.move_to_end(key)
         return value
 
+    def drop(self, key) -> None:
+        self._items.pop(key, None)
+
     def put(self, key, value) -> None:
         self._items[key] = value
         self._items.move_to_end(key)

@@ -116,6 +116,8 @@ def _lifespan(client: EngineClient, settings: ServerSettings):
         finally:
             await client.stop()
             executor.shutdown(wait=True, cancel_futures=True)
+            if app.state.ctx is not None:
+                app.state.ctx.grammars.shutdown()
 
     return lifespan
 
@@ -297,15 +299,15 @@ def _model_card(aengine: EngineClient, name: str) -> dict:
 
 
 async def _with_structured(ctx: serving.ServingContext, req, params):
-    """The request's constraint (response_format, structured_outputs, guided_*), checked in the tokenization
-    thread (a bad one is a 400 before the engine sees it), into its SamplingParams. First, any field kvserve
+    """The request's constraint (response_format, structured_outputs, guided_*), checked off the event loop
+    (a bad one is a 400 before the engine sees it), into its SamplingParams. First, any field kvserve
     would not honour is refused (400 unsupported)."""
     P.check_unsupported(req)
     params.prompt_logprobs = RP.prompt_logprobs_of(req, ctx.limits)
     so = structured_output(req)
     if so is None:
         return params
-    await ctx.run(ctx.grammars.check, so)
+    await ctx.grammars.check(so)
     params.structured = so
     _check_params(params)
     return params
@@ -328,7 +330,7 @@ async def _tool_calls(ctx: serving.ServingContext, req, params):
         if params.structured is not None:
             raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format",
                            "invalid_value", "tool_choice")
-        await ctx.run(ctx.grammars.check, forced)
+        await ctx.grammars.check(forced)
         params.structured = forced
         _check_params(params)
     return parser

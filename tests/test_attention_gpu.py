@@ -125,20 +125,21 @@ def test_triton_decode_ranges_match_reference(split_keys, head_dim):
 DECODE_TILES = [(16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 4), (16, 256, 8, 2)]
 
 
-@pytest.mark.parametrize("tiles", DECODE_TILES)
+@pytest.mark.parametrize("tiles", DECODE_TILES + [None])  # None: _tiles' choice
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_triton_decode_tiles_match_reference(tiles, block_size):
-    _backend_or_skip("triton", 64, block_size)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_decode_tiles_match_reference(tiles, block_size, head_dim):
+    _backend_or_skip("triton", head_dim, block_size)
     from attention.triton_paged import paged_attention_triton, write_kv_triton
 
-    rng = random.Random(block_size + tiles[1])
+    rng = random.Random(block_size + (tiles or (0, 0))[1] + head_dim)
     lens = [(0, 1), (127, 1), (128, 1), (1024, 1)] + [(rng.randint(0, 9000), 1) for _ in range(28)]
-    batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, block_size, torch.bfloat16, "cuda", seed=block_size)
-    ref = TorchAttentionImpl(14, 64, 64 ** -0.5, NUM_KV_HEADS).forward(
+    batch = make_random_batch(lens, 14, NUM_KV_HEADS, head_dim, block_size, torch.bfloat16, "cuda", seed=block_size)
+    ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
         batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
     write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
     for split_keys in (256, 1024):
-        out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, 64 ** -0.5,
+        out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, head_dim ** -0.5,
                                      sm_count=132, decode_split_keys=split_keys, tiles=tiles)
         assert _rel_err(out, ref) < 1e-2, (tiles, split_keys)
 

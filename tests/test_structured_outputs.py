@@ -3,8 +3,11 @@ valid. JSON schemas (hypothesis), json_object, regex, choice, grammar; greedy an
 bad constraints are fast 400s that leak nothing; the openai client's parse() helper."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -190,11 +193,12 @@ def test_grammar_limits_refuse_a_schema_too_large(smollm2_tokenizer):
                                             for i in range(300)}}
     for limits in (GrammarLimits(max_grammar_size=500), GrammarLimits(lexer_fuel=2_000)):
         checker = GrammarChecker(smollm2_tokenizer, 49152, limits)
-        checker.check(StructuredOutput(regex="ab?"))  # a small one passes
+        asyncio.run(checker.check(StructuredOutput(regex="ab?")))  # a small one passes
         start = time.monotonic()
         with pytest.raises(APIError) as err:
-            checker.check(StructuredOutput(json=json.dumps(big)))
+            asyncio.run(checker.check(StructuredOutput(json=json.dumps(big))))
         assert err.value.code == "invalid_grammar" and time.monotonic() - start < 2
+        checker.shutdown()
 
 
 def test_a_grammar_the_engine_cannot_follow_is_a_400_not_a_500(server):
@@ -211,3 +215,27 @@ def test_a_grammar_the_engine_cannot_follow_is_a_400_not_a_500(server):
             assert resp.json()["error"]["code"] == "invalid_grammar"
     assert server.wait_blocks_free() == 0
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_schema_being_checked_holds_up_no_other_request(server, monkeypatch):
+    """A new schema's check runs off the tokenization threads: while two of them are stuck (here on purpose,
+    as a large schema is in fact), unconstrained requests are tokenized and answered, and the constrained
+    ones go on once their checks end."""
+    import server.structured as structured
+
+    release, real_check = threading.Event(), structured.check_grammar
+
+    def slow_check(so, tokenizer, limits):
+        release.wait(60)
+        return real_check(so, tokenizer, limits)
+
+    monkeypatch.setattr(structured, "check_grammar", slow_check)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        constrained = [pool.submit(post, server, "/v1/completions", {"prompt": "Hi", "guided_regex": f"a{{{n}}}"})
+                       for n in (2, 3)]  # two new constraints: as many as the tokenization threads
+        time.sleep(0.5)
+        free = [pool.submit(post, server, "/v1/completions", {"prompt": f"Hello {i}"}, 20) for i in range(4)]
+        assert all(f.result().status_code == 200 for f in free)
+        assert not any(f.done() for f in constrained)
+        release.set()
+        assert [texts(f.result())[0] for f in constrained] == ["aa", "aaa"]
