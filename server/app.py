@@ -387,12 +387,16 @@ def _add_ops_routes(app: FastAPI, aengine: EngineClient) -> None:
     probe = {"response_model": R.HealthResponse, "responses": {503: {"model": R.HealthResponse}}}
 
     # HEAD too (load balancers and `curl -I` probe with it); /ping is vLLM's (SageMaker's) name for /health.
-    @app.api_route("/health", methods=["GET", "HEAD"], **probe)
-    @app.api_route("/ping", methods=["GET", "POST"], **probe)
+    # The first route of a path serves it and names its methods in a 405's Allow; the later GET routes are
+    # the schema's entries (a route of two methods would give both one OpenAPI operation id).
+    @app.get("/health", **probe)
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     async def health():
         return status_response(*aengine.health())
 
-    @app.api_route("/ready", methods=["GET", "HEAD"], **probe)
+    @app.get("/ready", **probe)
+    @app.api_route("/ready", methods=["GET", "HEAD"], include_in_schema=False)
     async def ready():
         return status_response(*aengine.readiness())
 
