@@ -62,6 +62,7 @@ class EngineClient:
         self.created = int(time.time())
         self.load_error: BaseException | None = None
         self.on_fatal: Callable[[BaseException], None] | None = None
+        self.on_loaded: Callable[[], object] | None = None  # once loaded, before accepting requests
         self.links = [CoreLink(i, ep, connection.client_index) for i, ep in enumerate(connection.cores)]
         self.dispatcher = Dispatcher(len(self.links), connection.dispatch)
         self.metrics = ServerMetrics(lambda: self.stats, multiprocess_dir)
@@ -222,17 +223,20 @@ class EngineClient:
             asyncio.get_running_loop().create_task(self._finish_loading(msg))
 
     async def _finish_loading(self, msg: Ready) -> None:
-        """The tokenizer loads here (off the event loop) once every core is ready and says where it is."""
+        """The tokenizer loads here (off the event loop) once every core is ready and says where it is; then
+        on_loaded runs (the front end settles its heap), and requests are accepted."""
         try:
             if msg.tokenizer_path is not None:
                 from engine.loader import load_tokenizer
 
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, msg.tokenizer_path)
+            self.info = msg
+            if self.on_loaded is not None:
+                self.on_loaded()
         except Exception as exc:
-            logger.exception("loading the tokenizer failed")
+            logger.exception("finishing the load (tokenizer, serving context) failed")
             self._fatal(exc)
             return
-        self.info = msg
         if self.state == EngineState.LOADING:
             self.admission.state = EngineState.READY
             if self.connection.peers_ready is not None:

@@ -1,11 +1,17 @@
 """The startup freeze (engine/malloc.py freeze_startup_objects): garbage is collected before the freeze, what
-lives is out of the collector's walk, and the throughput benchmark can still free a contender it froze.
+lives is out of the collector's walk, and the throughput benchmark can still free a contender it froze; a
+served front end freezes its own heap once the model is loaded (server/frontend.py settle_heap).
 Each check runs in its own interpreter: freezing this test process would outlive the test."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import httpx
+
+from server_utils import start_server_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,3 +63,19 @@ free_device_memory()
 print(ref() is None, gc.get_freeze_count() == 0)
 """)
     assert out.split() == ["True", "True", "True"]
+
+
+def test_a_served_front_end_freezes_its_heap_before_it_takes_requests(tiny_model_dir):
+    # Unfrozen, a front end's full collections walked ~350k startup objects (~200 ms, event loop stopped).
+    proc, url = start_server_process(["--model", str(tiny_model_dir("llama")), "--device", "cpu",
+                                      "--num-kv-blocks", "64", "--log-level", "info"])
+    try:
+        front_end = proc.pid  # one front end: the launcher serves HTTP itself
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
+    finally:
+        _, out = stop_process(proc)
+    frozen = {int(pid): int(n) for pid, n in re.findall(r"front end (\d+): (\d+) startup objects frozen", out)}
+    assert list(frozen) == [front_end], out[-2000:]
+    assert frozen[front_end] > 50_000  # transformers, the tokenizer, FastAPI: what the walk no longer visits
+    ready = out.index("accepting requests")
+    assert out.index("startup objects frozen") < ready  # settled before the first request can arrive
