@@ -5,8 +5,8 @@ a stall of the front end's event loop (or of the core), not of the model.
     python benchmarks/loop_stalls.py --out /tmp/stalls.json           # 2 fresh servers x 20 s
 
 What it was written for: a front end's full garbage collections walked its ~350k startup objects with the
-event loop stopped (~170-250 ms on this machine), each time its long-lived objects had grown by a quarter,
-which a steady stream load does every few seconds; every stream of the process stalled that long. Frozen
+event loop stopped (~170-250 ms on this machine), each time its long-lived objects had grown by a quarter
+(here about once per 20-s run); every stream of the process stalled that long. Frozen
 once the model is loaded (server/frontend.py settle_heap), a full collection walks only what requests made.
 
 On the tiny random model of `online_pair.py --smoke`, --concurrency clients each sending one request after
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -76,20 +77,38 @@ async def load(url: str, args, rng: random.Random, bar) -> list[dict]:
     return results
 
 
-def summary(streams: list[dict], stall_ms: float) -> dict:
+def one_server(model_dir: Path, args, seed: int, log: Path) -> tuple[list[dict], float]:
+    """A fresh server's streams under the load, and its front end's CPU seconds meanwhile (one front end: the
+    server's own process)."""
+    proc = server_procs.start_kvserve(model_dir, LIMITS, log, 120)
+    try:
+        front_end = psutil.Process(proc.pid)
+        before = sum(front_end.cpu_times()[:2])
+        with tqdm(desc=f"server {seed}: streams", unit="stream") as bar:
+            run = asyncio.run(load(proc.base_url, args, random.Random(seed), bar))
+        return run, sum(front_end.cpu_times()[:2]) - before
+    finally:
+        server_procs.stop(proc)
+
+
+def summary(streams: list[dict], args, front_end_cpu_s: float) -> dict:
     gaps = sorted(g for s in streams for g in s["gaps_ms"])
     ttft = sorted(s["ttft_ms"] for s in streams)
-    return {"streams": len(streams), "gap_p50_ms": statistics.median(gaps),
+    tokens = len(streams) * args.max_tokens  # ignore_eos: every stream runs to max_tokens (an event may carry several)
+    return {"streams": len(streams), "tokens_per_s": tokens / args.seconds,
+            "front_end_cpu_ms_per_1k_tokens": 1e6 * front_end_cpu_s / max(tokens, 1),
+            "gap_p50_ms": statistics.median(gaps),
             "gap_p99_ms": gaps[int(0.99 * (len(gaps) - 1))], "gap_max_ms": gaps[-1],
-            "gaps_over_stall": sum(g > stall_ms for g in gaps), "ttft_p50_ms": statistics.median(ttft),
+            "gaps_over_stall": sum(g > args.stall_ms for g in gaps), "ttft_p50_ms": statistics.median(ttft),
             "ttft_max_ms": ttft[-1]}
 
 
 def table(summaries: list[dict], stall_ms: float) -> list[str]:
-    out = [f"| server | streams | gap p50 ms | gap p99 ms | gap max ms | gaps over {stall_ms:.0f} ms "
-           "| TTFT p50 ms | TTFT max ms |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [f"| server | streams | tok/s | front-end CPU ms / 1k tokens | gap p50 ms | gap p99 ms | gap max ms "
+           f"| gaps over {stall_ms:.0f} ms | TTFT p50 ms | TTFT max ms |", "|---:" * 10 + "|"]
     for i, s in enumerate(summaries):
-        out.append(f"| {i} | {s['streams']} | {s['gap_p50_ms']:.1f} | {s['gap_p99_ms']:.1f} | {s['gap_max_ms']:.1f} "
+        out.append(f"| {i} | {s['streams']} | {s['tokens_per_s']:,.0f} | {s['front_end_cpu_ms_per_1k_tokens']:.1f} "
+                   f"| {s['gap_p50_ms']:.1f} | {s['gap_p99_ms']:.1f} | {s['gap_max_ms']:.1f} "
                    f"| {s['gaps_over_stall']} | {s['ttft_p50_ms']:.1f} | {s['ttft_max_ms']:.1f} |")
     return out
 
@@ -105,20 +124,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="loop_stalls.json")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="kvserve-stalls-"))
-    runs = []
     try:
         model_dir = build_random_model(SMOKE_CONFIG, tmp / "model", tokenizer="bpe")
         freeze_startup_objects()  # this client's own full collections (torch, transformers) would stall its streams
-        for s in range(args.servers):
-            proc = server_procs.start_kvserve(model_dir, LIMITS, tmp / f"serve-{s}.log", 120)
-            try:
-                with tqdm(desc=f"server {s}: streams", unit="stream") as bar:
-                    runs.append(asyncio.run(load(proc.base_url, args, random.Random(s), bar)))
-            finally:
-                server_procs.stop(proc)
+        measured = [one_server(model_dir, args, s, tmp / f"serve-{s}.log") for s in range(args.servers)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    summaries = [summary(run, args.stall_ms) for run in runs]
+    runs = [run for run, _ in measured]
+    summaries = [summary(run, args, cpu) for run, cpu in measured]
     text = table(summaries, args.stall_ms)
     print("\n".join(text))
     Path(args.out).write_text(json.dumps({"args": vars(args), "summaries": summaries, "table": text,

@@ -46,9 +46,12 @@ def settle_heap(app) -> int:
     """Once the model is loaded: the serving context is built and every object alive is frozen out of the
     collector's walk (engine/malloc.py); returns how many. A front end holds ~350k startup objects
     (transformers, the tokenizer, FastAPI's models): a full collection walked them all, ~170-250 ms with the
-    event loop stopped, and it came every few hundred requests. On a smoke W-B 20% load it held every stream
-    of a batch that long (TTFT ~230 ms against ~20 ms). vLLM's API server freezes its startup heap too.
-    Only for a front-end process (`serve`), never a test's in-process server."""
+    event loop stopped, whenever the long-lived objects had grown by a quarter (about once per 4,000 requests
+    on the CPU load of benchmarks/loop_stalls.py), holding every stream. vLLM's API server freezes its heap too.
+    Python's young-generation threshold (700) stays: at 10,000 the front end's CPU per 1k streamed tokens
+    (benchmarks/loop_stalls.py, this 2-core machine) moved within the runs' noise (32 streams: 48.1-53.9 ms
+    against 50.1-53.6; 64: 41.1-44.1 against 44.0-50.4). Only for a front-end process (`serve`), never a
+    test's in-process server."""
     from engine.malloc import freeze_startup_objects
     from server.app import serving_context
 
