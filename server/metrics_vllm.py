@@ -99,6 +99,7 @@ class VllmRequestMetrics:
                                     "seconds.", E2E_BUCKETS, registry)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 [*LABELS, "finished_reason"], registry=registry)
+        self._gap_series: dict[tuple[str, int], tuple] = {}  # (model, engine) -> the ITL histograms' children
 
     @staticmethod
     def _histogram(name: str, doc: str, buckets, registry: CollectorRegistry) -> Histogram:
@@ -118,9 +119,15 @@ class VllmRequestMetrics:
         self._ttft.labels(self.model_name, str(engine)).observe(seconds)
 
     def token_gap(self, seconds: float, engine: int = 0) -> None:
-        labels = (self.model_name, str(engine))
-        self._itl.labels(*labels).observe(seconds)
-        self._legacy_tpot.labels(*labels).observe(seconds)
+        """Per token of every stream (a hot path): the two series of an engine are looked up once, not by
+        labels() each time (6.7 us a token for this and kvserve's own ITL, 1.6 us an observe)."""
+        series = self._gap_series.get((self.model_name, engine))
+        if series is None:
+            labels = (self.model_name, str(engine))
+            series = self._gap_series[(self.model_name, engine)] = (self._itl.labels(*labels),
+                                                                    self._legacy_tpot.labels(*labels))
+        for histogram in series:
+            histogram.observe(seconds)
 
     def finished(self, reason: str, e2e: float, time_per_output_token: float, engine: int = 0) -> None:
         labels = (self.model_name, str(engine))
