@@ -24,6 +24,13 @@ class Closed:
     """Sent to a Generation the engine core will never feed again (shutdown): unfinished ones abort."""
 
 
+class Expired:
+    """Put in a Generation's queue by its deadline timer: the consumer checks which deadline, if any, passed."""
+
+
+EXPIRED = Expired()
+
+
 class Completion:
     """Front-end state of one completion: its text so far (detokenizer) and its tokens not yet handed out."""
     __slots__ = ("engine_id", "index", "detok", "finished", "tokens", "logprobs", "num_cached", "prompt_logprobs")
@@ -73,6 +80,8 @@ class Generation:
         self.closed = False
         self.stream_interval = stream_interval
         self._token_times: dict[str, TokenTimes] = {}  # by f"{engine request id}#{completion index}"
+        self._alarm: asyncio.TimerHandle | None = None  # rings (EXPIRED) at _alarm_at, the deadline then in force
+        self._alarm_at: float | None = None
 
     def _completion(self, rid: str, index: int, tokenizer) -> Completion:
         detok = None
@@ -102,26 +111,56 @@ class Generation:
             self.close()
 
     async def _next_deltas(self) -> list[TokenDelta] | None:
-        """Every delta waiting (at least one), or None once Closed. Hot path: when deltas are already waiting
-        (a stream behind the engine) they are taken without arming a timer (a Timeout per chunk was a tenth
-        of a front end's time), and the deadline is checked by hand."""
-        if self.queue.empty():
-            item = await self.wait_within_deadline(self.queue.get())
-        else:
-            deadline = self._deadline()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise self._timed_out(deadline)
-            item = self.queue.get_nowait()
+        """Every delta waiting (at least one), or None once Closed. Hot path: a wait arms no timer of its own;
+        one alarm per deadline puts EXPIRED in the queue (asyncio.timeout around each wait cost 3.6 us of a
+        front end's ~45 us per streamed token), and deltas already waiting are taken after a check by hand."""
+        got = False
         deltas: list[TokenDelta] = []
-        while True:
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, Closed):
-                return None
-            deltas += item
+        while not got:
             if self.queue.empty():
-                return deltas
-            item = self.queue.get_nowait()
+                self._arm_alarm()
+                item = await self.queue.get()
+            else:
+                self._check_deadline()
+                item = self.queue.get_nowait()
+            while True:
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Closed):
+                    return None
+                if item is EXPIRED:
+                    self._check_deadline()  # else it rang for a deadline no longer in force (the first token came)
+                else:
+                    deltas += item
+                    got = True
+                if self.queue.empty():
+                    break
+                item = self.queue.get_nowait()
+        return deltas
+
+    def _check_deadline(self) -> None:
+        deadline = self._deadline()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise self._timed_out(deadline)
+
+    def _arm_alarm(self) -> None:
+        """The alarm set for the deadline now in force (one timer per deadline, not per wait)."""
+        deadline = self._deadline()
+        if deadline == self._alarm_at:
+            return
+        self._disarm()
+        if deadline is not None:
+            self._alarm_at = deadline
+            self._alarm = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()), self._ring)
+
+    def _ring(self) -> None:
+        self._alarm = self._alarm_at = None  # rung: a wait after a stale ring arms it again
+        self.queue.put_nowait(EXPIRED)
+
+    def _disarm(self) -> None:
+        if self._alarm is not None:
+            self._alarm.cancel()
+        self._alarm = self._alarm_at = None
 
     def _apply(self, deltas: list[TokenDelta]) -> list[StepOutput]:
         merged: dict[tuple[str, int], list[TokenDelta]] = {}
@@ -235,6 +274,7 @@ class Generation:
         if self.closed:
             return
         self.closed = True
+        self._disarm()
         for rid in list(self.waiting_first):
             self.got_first_token(rid)
         if self.unfinished:
