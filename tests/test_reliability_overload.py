@@ -267,6 +267,20 @@ def test_per_request_timeout_cannot_exceed_server_limit(deadline_server):
         assert wait_idle(deadline_server, http)["kvserve_kv_blocks_used"] == 0
 
 
+def test_a_stream_past_its_first_token_outlives_the_queue_limit(deadline_server):
+    """The queue limit's alarm still rings after the first token came; the stream goes on to its total deadline."""
+    with httpx.Client(base_url=deadline_server.base_url, timeout=60) as http:
+        start = time.monotonic()
+        with http.stream("POST", "/v1/completions", json={"prompt": "keep going", "stream": True, **LONG}) as r:
+            got = events(r)
+        elapsed = time.monotonic() - start
+        assert_timeout_error(got[-2]["error"])
+        assert "total time" in got[-2]["error"]["message"]
+        assert REQUEST_TIMEOUT * 0.9 <= elapsed < REQUEST_TIMEOUT + 10
+        assert sum(bool(e.get("choices")) for e in got[:-2] if isinstance(e, dict)) > 1  # it streamed meanwhile
+        assert wait_idle(deadline_server, http)["kvserve_kv_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_queue_time_limit(deadline_server, stream):
     """max_num_seqs=1: behind a long request, a second one waits; past queue_timeout it ends as a timeout."""
