@@ -9,10 +9,12 @@ out="${OUT:-./gpu-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
 python3 -c "import llguidance; print('llguidance', llguidance.__version__)"
+if [ "${SKIP_PAIR:-0}" != 1 ]; then  # SKIP_PAIR=1 after `gpu_session.sh pair` ran both servers in this session
 timeout 220 python3 benchmarks/online_pair.py --no-vllm --out "$out/pair.json" --raw-dir "$out/pair-raw" \
   --deadline-s 210 > "$out/pair.log" 2>&1
 grep -v "^ \|Writing" "$out/pair.log" | grep "kvserve\||\|PASS\|FAIL\|Error" | cut -c1-260 | tail -30
 grep -B2 -A12 "Traceback" "$out/pair-raw/kvserve-serve.log" 2>/dev/null | tail -30
+fi
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py -k "decode_tiles and None" \
   > "$out/tiles-test.log" 2>&1; tail -3 "$out/tiles-test.log"
 timeout 110 python3 benchmarks/attention_kernels.py --only "(14/2 x 64) decode 256" --block-size 128 \
