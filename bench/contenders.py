@@ -90,13 +90,14 @@ def warm_up(llm, w: Workload) -> None:
 
 def kvserve_contender(model_path: Path, opts: dict, w: Workload, warmup: bool) -> Contender:
     from engine.llm import LLM
-    from engine.malloc import freeze_startup_objects
+    from engine.malloc import collect_young_less_often, freeze_startup_objects
 
     llm = LLM(model=str(model_path), **opts)
     params = workload_params(w)
     if warmup:
         warm_up(llm, w)
     freeze_startup_objects()  # a full collection in a timed run would cost it ~0.1-0.3 s (engine/malloc.py)
+    collect_young_less_often()  # as the server's engine core does
     name = f"kvserve ({llm.engine.backend_name}, {str(llm.engine.dtype).removeprefix('torch.')}, {llm.engine.device})"
 
     def close() -> None:

@@ -88,7 +88,10 @@ def build_random_model(config: dict, out_dir: Path, seed: int = 0, tokenizer: st
 def free_device_memory() -> None:
     import torch
 
+    from engine.malloc import DEFAULT_THRESHOLDS
+
     gc.unfreeze()  # what a contender froze (freeze_startup_objects) can be collected again
+    gc.set_threshold(*DEFAULT_THRESHOLDS)  # and the next contender collects as Python does by default
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -151,9 +151,10 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec, lifeline_fd: int):
         _announce(outboxes, codec.encode(LoadFailed(f"{type(exc).__name__}: {exc}"[:2000])), lifeline_fd)
         return None
     from engine.core.loop import core_stats
-    from engine.malloc import freeze_startup_objects
+    from engine.malloc import collect_young_less_often, freeze_startup_objects
 
     freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
+    collect_young_less_often()
     ready = Ready(str(engine.model_path), engine.tokenizer_path, engine.vocab_size, engine.max_model_len,
                   str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine),
                   engine.block_size,
