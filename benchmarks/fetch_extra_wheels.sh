@@ -15,6 +15,6 @@ dl() {
     python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 "${tags[@]}" --platform any \
         -d "$1" "${@:2}"
 }
-dl .carry/extra pyzmq msgspec setproctitle httptools fastapi-offline "llguidance>=1.0" pytest-timeout
+dl .carry/extra pyzmq msgspec setproctitle httptools fastapi-offline "llguidance>=1.0" pytest-timeout "xgrammar>=0.2.9"
 dl .carry/vllm-extra lm-format-enforcer==0.11.3 interegular outlines_core==0.2.14 diskcache==5.6.3 lark==1.2.2
 ls .carry/extra .carry/vllm-extra

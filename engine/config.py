@@ -1,11 +1,14 @@
 """EngineConfig: every engine knob in one place, validated, no I/O."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton", "flash-attn", "flash-attn-4", "triton+flash-attn-4")
+# Grammar engines for structured outputs' masks (engine/grammar_xgr.py); vLLM's names.
+GRAMMAR_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
 def need(cond: bool, msg: str) -> None:
@@ -42,6 +45,8 @@ class EngineConfig:
     # millisecond), is refused with 400 invalid_grammar (engine/grammar.py).
     grammar_max_size: int = 500_000
     grammar_compile_fuel: int = 1_000_000
+    # auto: xgrammar's masks for JSON schemas and regexes when it is installed, llguidance's for the rest.
+    structured_outputs_backend: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +66,10 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         need(self.grammar_max_size >= 1 and self.grammar_compile_fuel >= 1,
              "grammar_max_size and grammar_compile_fuel must be >= 1")
+        need(self.structured_outputs_backend in GRAMMAR_BACKENDS,
+             f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}, got {self.structured_outputs_backend!r}")
+        need(self.structured_outputs_backend != "xgrammar" or importlib.util.find_spec("xgrammar") is not None,
+             "structured_outputs_backend xgrammar: xgrammar is not installed (pip install 'kvserve[xgrammar]')")
 
     @classmethod
     def field_names(cls) -> list[str]:

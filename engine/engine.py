@@ -98,7 +98,7 @@ class LLMEngine:
         self._num_history_requests = 0  # live completions whose sampling reads every earlier token
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             self.tokenizer, self.vocab_size, self.eos_token_ids,
-            GrammarLimits(config.grammar_max_size, config.grammar_compile_fuel))
+            GrammarLimits(config.grammar_max_size, config.grammar_compile_fuel), config.structured_outputs_backend)
         self.runner.structured = self.structured
         self._grammars = GrammarAdmission(self.structured, self.scheduler)  # structured requests, compiling
         self._log_start()

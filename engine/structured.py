@@ -4,7 +4,8 @@ device before sampling.
 
 A step with constrained rows is launched (forward and logits queued on the device) before the previous step's
 tokens are read; the engine then reads them, the matchers consume them, and only then are the step's masks
-filled (llguidance's parallel executor) and its rows sampled: the fill overlaps the forward pass on the device,
+filled (xgrammar's batch fill for JSON schemas and regexes, llguidance's parallel executor for the rest:
+engine/grammar_xgr.py says why) and its rows sampled: the fill overlaps the forward pass on the device,
 and the async-scheduling pipeline keeps running. A mask allows EOS only where the grammar may end. A matcher consumes each token the
 engine appends, so preemption (recompute) and prefix-cache hits leave it where it was.
 """
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammar import LRU, EosAliases, GrammarLimits, grammar_text, llg_tokenizer
+from engine.grammar_xgr import XgrCompiled, XgrCompiler, XgrGrammar
+from engine.grammar_xgr import available as xgrammar_available
 from engine.request import Request, RequestError, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -46,8 +49,11 @@ class MaskBatch:
 
 
 class StructuredOutputs:
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None,
+                 backend: str = "auto") -> None:
         self.hf_tokenizer = hf_tokenizer
+        self.use_xgrammar = backend == "xgrammar" or backend == "auto" and xgrammar_available()
+        self._xgr: XgrCompiler | None = None  # built in the compile thread on first use
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.eos_ids = frozenset(eos_ids)
@@ -70,6 +76,15 @@ class StructuredOutputs:
         return future
 
     def _compile(self, so: StructuredOutput):
+        if self.use_xgrammar:
+            if self._xgr is None:
+                self._xgr = XgrCompiler(self.hf_tokenizer, self.vocab_size, self.eos_ids)
+            compiled = self._xgr.compile(so)
+            if compiled is not None:
+                return compiled
+        return self._compile_llg(so)
+
+    def _compile_llg(self, so: StructuredOutput):
         from llguidance import LLMatcher
 
         if self._tokenizer is None:
@@ -80,26 +95,38 @@ class StructuredOutputs:
             raise RequestError(f"{so.param()}: {matcher.get_error()[:500]}", "invalid_grammar", so.param())
         return matcher
 
-    def new_grammar(self, compiled: Future) -> Grammar:
-        return Grammar(compiled.result().deep_copy(), self._aliases)
+    def new_grammar(self, compiled: Future) -> Grammar | XgrGrammar:
+        pristine = compiled.result()
+        if isinstance(pristine, XgrCompiled):
+            return pristine.new_grammar()
+        return Grammar(pristine.deep_copy(), self._aliases)
 
     # ---- masks (the runner: filled once the previous step's tokens are consumed, applied before sampling) --
     def fill(self, requests: list[Request]) -> MaskBatch | None:
-        """The bitmasks of the rows under a grammar, by llguidance's parallel executor (it releases the GIL
-        and spreads rows over 80% of the cores)."""
-        import llguidance
-
+        """The bitmasks of the rows under a grammar: xgrammar's rows by its batch fill, llguidance's by its
+        parallel executor (it releases the GIL and spreads rows over 80% of the cores)."""
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
         bitmask = torch.empty(len(rows), self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        self._executor.unsafe_compute_mask_ptr([(requests[i].grammar.matcher, j) for j, i in enumerate(rows)],
-                                               bitmask.data_ptr(), self.words * 4, len(rows))
+        xgr, llg = [], []
+        for j, i in enumerate(rows):
+            grammar = requests[i].grammar
+            (xgr if type(grammar) is XgrGrammar else llg).append((grammar.matcher, j))
+        if xgr:
+            self._xgr.fill(xgr, bitmask)
+        if llg:
+            self._fill_llg(llg, bitmask)
         if self._aliases is not None:
             _allow_like(bitmask, self._aliases)
         return MaskBatch(rows, bitmask)
+
+    def _fill_llg(self, rows: list, bitmask: torch.Tensor) -> None:
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
@@ -121,6 +148,8 @@ class StructuredOutputs:
 
     def shutdown(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
+        if self._xgr is not None:
+            self._xgr.shutdown()
 
 
 def _allow_like(bitmask: torch.Tensor, aliases: EosAliases) -> None:

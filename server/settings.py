@@ -142,6 +142,9 @@ ENGINE_HELP = {
     "grammar_max_size": "structured outputs: most symbols in a request's grammar (beyond: 400 invalid_grammar)",
     "grammar_compile_fuel": "structured outputs: lexer fuel to build a grammar, ~50k units a millisecond "
                             "(beyond: 400 invalid_grammar)",
+    "structured_outputs_backend": "structured outputs' masks: auto (xgrammar for JSON schemas and regexes when "
+                                  "installed, llguidance otherwise and for Lark/GBNF grammars and choices), "
+                                  "xgrammar (the same, xgrammar required), guidance (llguidance for all)",
 }
 
 SERVER_HELP = {

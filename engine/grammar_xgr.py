@@ -1,0 +1,175 @@
+"""xgrammar for the masks of JSON schemas and regexes; llguidance (engine/grammar.py) for everything else.
+
+Why two: a step's masks at batch 256 under bench/structured_mix.py's record schema, on the byte-level BPE of
+the H200 pair's model (151,936 ids), filled for every row by each engine's batch fill (2026-12-05):
+llguidance 28.8 ms on the H200 host's 16 cores, 21.7 ms on the 2-core CPU; xgrammar 1.7 and 3.8 ms
+(`benchmarks/grammar_engines.py --batch 256 --tokenizer wb-bpe`). Through the server the llguidance fill
+set the pace: W-B with every request constrained ran at 0.28x the free load (TPOT 21.5 against 4.4 ms).
+xgrammar precomputes each grammar state's tokens when it compiles; llguidance walks the token trie per mask,
+and the bounded strings (`maxLength`) of the schema make most lexer states new.
+
+llguidance keeps what xgrammar does not take: Lark and GBNF grammars, choices, schemas with a keyword outside
+JSON_KEYWORDS (xgrammar may drop one it does not know; this list is what tests/test_grammar_xgr.py checks),
+and any constraint whose xgrammar compile fails or outlasts COMPILE_TIMEOUT_S (xgrammar's compile has no
+fuel limit; the front end's llguidance check already bounded the grammar's size). The front end checks every
+constraint with llguidance either way, so what is refused, and how, does not depend on the backend.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from engine.request import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 5.0  # past it the constraint compiles with llguidance (the record schema: ~40 ms)
+# Schema keywords xgrammar enforces (or, for annotations, need not): tests/test_grammar_xgr.py walks outputs
+# under its masks for each and validates them with jsonschema.
+JSON_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const",
+    "anyOf", "oneOf", "$ref", "$defs", "definitions", "minLength", "maxLength", "pattern", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems",
+    "title", "description", "default", "examples", "$schema", "$id", "$comment",
+})
+BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'  # xgrammar's characters of a string with maxLength/minLength
+JSON_STRING_CHARS = r'[^\0-\x1f\"\\\r\n]'  # those of its unbounded strings: no control characters
+SURROGATES = r"\uD800-\uDFFF"  # UTF-16 halves: xgrammar 0.2.9 takes their 3-byte forms (invalid UTF-8) as characters
+ANY_CHAR = r"[\0-\U0010ffff]"  # a regex's `.` in xgrammar's EBNF
+_EBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[\^((?:\\.|[^\]\\])*)\]')  # a string literal, or a negated class
+NAMED_CHILDREN = frozenset({"properties", "$defs", "definitions"})  # their keys are names, not keywords
+
+
+def available() -> bool:
+    return importlib.util.find_spec("xgrammar") is not None
+
+
+def json_supported(schema) -> bool:
+    """Whether every keyword of the schema, at every depth, is one xgrammar enforces."""
+    if isinstance(schema, bool):
+        return True
+    if not isinstance(schema, dict) or not JSON_KEYWORDS.issuperset(schema):
+        return False
+    return all(_children_supported(key, value) for key, value in schema.items())
+
+
+def _children_supported(key: str, value) -> bool:
+    if key in NAMED_CHILDREN:
+        return isinstance(value, dict) and all(json_supported(v) for v in value.values())
+    if key in ("items", "additionalProperties"):
+        return json_supported(value)
+    if key in ("prefixItems", "anyOf", "oneOf"):
+        return isinstance(value, list) and all(json_supported(v) for v in value)
+    return True  # a value: enum's list, a bound, a pattern, an annotation
+
+
+def json_ebnf(schema) -> str:
+    """xgrammar's grammar of a schema: compact JSON and extra properties allowed, as llguidance's (engine/grammar.py
+    JSON_OPTIONS), made safe by safe_ebnf. xgrammar 0.2.9 also lets a string with maxLength hold raw control
+    characters (invalid JSON: a random model wrote "\\x08" into one); its characters are narrowed here to those of
+    its unbounded strings. Such a string then holds no escapes (a valid JSON subset; llguidance allows them)."""
+    import xgrammar
+
+    text = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"),
+                                                 strict_mode=False))
+    return safe_ebnf(text.replace(BOUNDED_STRING_CHARS, JSON_STRING_CHARS))
+
+
+def regex_ebnf(pattern: str) -> str:
+    import xgrammar
+
+    return safe_ebnf(str(xgrammar.Grammar.from_regex(pattern)))
+
+
+def safe_ebnf(text: str) -> str:
+    """Every negated character class of an EBNF grammar also excludes the UTF-16 surrogates: xgrammar 0.2.9 matched
+    the bytes ED A3 BD (U+D8FD, not UTF-8) as one character of a string with maxLength 2 (tests/test_soak.py).
+    So does a regex's `.` (ANY_CHAR); a positive class spanning them otherwise is left as it is. String literals
+    are left as they are."""
+    def patch(m: re.Match) -> str:
+        return m.group(0) if m.group(1) is None else f"[^{m.group(1)}{SURROGATES}]"
+
+    return _EBNF_PIECE.sub(patch, text).replace(ANY_CHAR, f"[^{SURROGATES}]")
+
+
+class XgrGrammar:
+    """One completion's position in an xgrammar grammar (engine.structured.Grammar's interface)."""
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def error(self) -> str | None:
+        return "the token is outside the grammar"
+
+
+class XgrCompiled:
+    """A compiled xgrammar grammar: requests get matchers of their own."""
+    __slots__ = ("compiled",)
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+
+    def new_grammar(self) -> XgrGrammar:
+        import xgrammar
+
+        return XgrGrammar(xgrammar.GrammarMatcher(self.compiled))
+
+
+class XgrCompiler:
+    """Compiles the constraints xgrammar takes, in a thread of its own, within COMPILE_TIMEOUT_S."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids) -> None:
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(eos_ids))
+        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # StructuredOutputs caches
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-xgrammar")
+        self.batch = xgrammar.BatchGrammarMatcher()
+
+    def compile(self, so: StructuredOutput) -> XgrCompiled | None:
+        """The constraint compiled by xgrammar, or None: llguidance's to compile."""
+        build = self._builder(so)
+        if build is None:
+            return None
+        try:
+            return XgrCompiled(self._thread.submit(build).result(timeout=COMPILE_TIMEOUT_S))
+        except FutureTimeout:
+            logger.warning("xgrammar took over %.0f s to compile %s; llguidance compiles it", COMPILE_TIMEOUT_S,
+                           so.param())
+        except Exception as exc:  # noqa: BLE001 - a construct xgrammar refuses: llguidance may take it
+            logger.info("xgrammar cannot compile %s (%s); llguidance compiles it", so.param(), exc)
+        return None
+
+    def _builder(self, so: StructuredOutput):
+        c = self._compiler
+        if so.json is not None or so.json_object:
+            schema = json.loads(so.json) if so.json is not None else {"type": "object"}
+            if not json_supported(schema):
+                return None
+            return lambda: c.compile_grammar(json_ebnf(schema))
+        if so.regex is not None:
+            return lambda: c.compile_grammar(regex_ebnf(so.regex))
+        return None
+
+    def fill(self, rows: list, bitmask) -> None:
+        """Fill bitmask rows: `rows` holds (matcher, row index) pairs. A matcher that took EOS has ended (its
+        request too: the step was scheduled before the engine read that token); its row allows everything."""
+        live = [(m, j) for m, j in rows if not m.is_terminated()]
+        if len(live) < len(rows):
+            for m, j in rows:
+                if m.is_terminated():
+                    bitmask[j] = -1
+        if live:
+            self.batch.batch_fill_next_token_bitmask([m for m, _ in live], bitmask, [j for _, j in live])
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)

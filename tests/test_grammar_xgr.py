@@ -1,0 +1,224 @@
+"""xgrammar's masks (engine/grammar_xgr.py): which constraints it takes, that what it allows stays inside the
+constraint for every schema keyword it is trusted with, that the rest falls back to llguidance, and that a
+step mixing both fills each row as either would alone."""
+from __future__ import annotations
+
+import json
+import random
+import re
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+import torch
+
+from engine import grammar_xgr
+from engine.grammar_xgr import XgrGrammar, json_supported
+from engine.request import StructuredOutput
+from engine.structured import Grammar, StructuredOutputs
+
+pytest.importorskip("xgrammar")
+VOCAB = 49152
+
+# One schema per group of trusted keywords (JSON_KEYWORDS); each bounded so a random walk ends.
+SCHEMAS = {
+    "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+               "required": ["name", "age"], "additionalProperties": False},
+    "enum_const": {"type": "object", "properties": {"s": {"enum": ["open", "closed", 3]}, "k": {"const": "x"}},
+                   "required": ["s", "k"], "additionalProperties": False},
+    "array": {"type": "array", "items": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+              "minItems": 1, "maxItems": 3},
+    "prefix": {"type": "array", "prefixItems": [{"type": "boolean"}, {"type": "null"}], "items": False},
+    "union": {"anyOf": [{"type": "string", "minLength": 2, "maxLength": 4}, {"type": "number", "maximum": 5}]},
+    "oneof_ref": {"$defs": {"p": {"type": "object", "properties": {"v": {"type": "boolean"}}, "required": ["v"],
+                                  "additionalProperties": False}},
+                  "oneOf": [{"$ref": "#/$defs/p"}, {"type": "null"}], "title": "t", "description": "d"},
+    "pattern": {"type": "object", "properties": {"email": {"type": "string", "pattern": "^[a-z]{1,4}@[a-z]{1,3}\\.io$"}},
+                "required": ["email"], "additionalProperties": False},
+}
+REGEXES = ["[a-z]{1,8}z", "(yes|no|maybe)!?", "\\d{3}-\\d{2}"]
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+def rows(*grammars) -> list:
+    return [SimpleNamespace(grammar=g) for g in grammars]
+
+
+def allowed_tokens(so: StructuredOutputs, grammar, vocab: int = VOCAB) -> list[int]:
+    bits = so.fill(rows(grammar)).bitmask[0]
+    unpacked = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab]
+    return unpacked.nonzero().flatten().tolist()
+
+
+def walk(so: StructuredOutputs, grammar, eos: int, rng: random.Random, limit: int = 300, vocab: int = VOCAB
+         ) -> list[int]:
+    """Tokens drawn at random from each mask (EOS once allowed) until the grammar ends; every one accepted."""
+    out = []
+    for _ in range(limit):
+        allowed = allowed_tokens(so, grammar, vocab)
+        token = eos if eos in allowed else rng.choice(allowed)
+        assert grammar.accept(token), f"the matcher refused token {token} its own mask allowed"
+        if token == eos:
+            return out
+        out.append(token)
+    raise AssertionError(f"no end within {limit} tokens: {out[:40]}")
+
+
+@pytest.fixture(scope="module")
+def xgr(tok):
+    so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id], backend="xgrammar")
+    yield so
+    so.shutdown()
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_outputs_under_xgrammar_masks_satisfy_each_trusted_keyword(xgr, tok, name):
+    schema = SCHEMAS[name]
+    assert json_supported(schema)
+    compiled = xgr.compile(StructuredOutput(json=json.dumps(schema)))
+    rng = random.Random(name)
+    for _ in range(6):
+        grammar = xgr.new_grammar(compiled)
+        assert isinstance(grammar, XgrGrammar)
+        text = tok.decode(walk(xgr, grammar, tok.eos_token_id, rng))
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_xgrammar_json_is_compact_and_takes_extra_properties_as_llguidance_does(xgr, tok):
+    """engine/grammar.py's JSON options: no free whitespace; properties beyond the schema's allowed."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compiled = xgr.compile(StructuredOutput(json=json.dumps(schema)))
+
+    def takes(text: str) -> bool:
+        grammar = xgr.new_grammar(compiled)
+        return all(grammar.accept(t) for t in tok.encode(text, add_special_tokens=False)) and \
+            tok.eos_token_id in allowed_tokens(xgr, grammar)
+
+    assert takes('{"a":1}') and takes('{"a":1,"b":"x"}')
+    assert not takes('{"a": 1}') and not takes('{ "a":1}') and not takes('{"a":"1"}')
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_outputs_under_xgrammar_regex_masks_match_the_regex(xgr, tok, pattern):
+    compiled = xgr.compile(StructuredOutput(regex=pattern))
+    rng = random.Random(pattern)
+    for _ in range(6):
+        grammar = xgr.new_grammar(compiled)
+        assert isinstance(grammar, XgrGrammar)
+        text = tok.decode(walk(xgr, grammar, tok.eos_token_id, rng))
+        assert re.fullmatch(pattern, text), text
+
+
+def test_keywords_xgrammar_is_not_trusted_with_go_to_llguidance(xgr):
+    untrusted = [{"type": "string", "format": "date-time"},
+                 {"type": "object", "properties": {"a": {"type": "number", "multipleOf": 3}}},
+                 {"type": "object", "properties": {"format": {"type": "string"}}, "patternProperties": {}},
+                 {"type": "array", "items": {"type": "string", "format": "email"}}]
+    assert json_supported({"type": "object", "properties": {"format": {"type": "string"}}})  # a name, not a keyword
+    for schema in untrusted:
+        assert not json_supported(schema), schema
+        grammar = xgr.new_grammar(xgr.compile(StructuredOutput(json=json.dumps(schema))))
+        assert isinstance(grammar, Grammar), schema
+    for so in (StructuredOutput(choice=["a", "b"]), StructuredOutput(grammar='root ::= "a" | "b"')):
+        assert isinstance(xgr.new_grammar(xgr.compile(so)), Grammar)
+
+
+def test_a_compile_past_the_timeout_goes_to_llguidance(tok, monkeypatch):
+    monkeypatch.setattr(grammar_xgr, "COMPILE_TIMEOUT_S", 0.0)
+    so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id], backend="auto")
+    try:
+        grammar = so.new_grammar(so.compile(StructuredOutput(json=json.dumps(SCHEMAS["object"]))))
+        assert isinstance(grammar, Grammar)
+    finally:
+        so.shutdown()
+
+
+def test_guidance_backend_never_uses_xgrammar(tok):
+    so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id], backend="guidance")
+    try:
+        for c in (StructuredOutput(json=json.dumps(SCHEMAS["object"])), StructuredOutput(regex="[a-z]+")):
+            assert isinstance(so.new_grammar(so.compile(c)), Grammar)
+    finally:
+        so.shutdown()
+
+
+def test_a_step_mixing_both_engines_fills_each_row_as_alone(xgr, tok):
+    """Rows of xgrammar and llguidance grammars in one fill get the masks each gets alone; a row whose
+    matcher already took EOS (its request ended after the step was scheduled) allows everything."""
+    json_so = StructuredOutput(json=json.dumps(SCHEMAS["object"]))
+    lark_so = StructuredOutput(grammar='root ::= "hello" [0-9]')
+    a, b, ended = (xgr.new_grammar(xgr.compile(c)) for c in (json_so, lark_so, StructuredOutput(regex="ok")))
+    assert isinstance(a, XgrGrammar) and isinstance(b, Grammar)
+    for token in tok.encode("ok", add_special_tokens=False) + [tok.eos_token_id]:
+        assert ended.accept(token)
+    alone = [xgr.fill(rows(g)).bitmask[0].clone() for g in (a, b)]
+    together = xgr.fill(rows(a, None, b, ended))
+    assert together.rows == [0, 2, 3]
+    assert torch.equal(together.bitmask[0], alone[0]) and torch.equal(together.bitmask[1], alone[1])
+    assert (together.bitmask[2] == -1).all()
+    assert alone[0].count_nonzero() and not torch.equal(alone[0], alone[1])
+
+
+def test_eos_ends_an_xgrammar_grammar_only_where_it_may(xgr, tok):
+    eos = tok.eos_token_id
+    grammar = xgr.new_grammar(xgr.compile(StructuredOutput(regex="ab")))
+    assert eos not in allowed_tokens(xgr, grammar)
+    for token in tok.encode("ab", add_special_tokens=False):
+        assert grammar.accept(token)
+    assert allowed_tokens(xgr, grammar) == [eos]
+    assert grammar.accept(eos)
+
+
+def test_the_engine_config_names_the_backend():
+    from engine.config import EngineConfig
+
+    assert EngineConfig(structured_outputs_backend="guidance").structured_outputs_backend == "guidance"
+    with pytest.raises(ValueError, match="structured_outputs_backend"):
+        EngineConfig(structured_outputs_backend="outlines")
+
+
+def test_bounded_strings_hold_no_raw_control_characters(tmp_path):
+    """xgrammar 0.2.9 lets a string with maxLength hold raw control bytes (invalid JSON); json_ebnf narrows
+    them. A byte-level BPE whose tokens include control bytes (the H200 pair's tokenizer) shows it: a random
+    walk wrote one in 21 of 30 documents before."""
+    from transformers import AutoTokenizer
+
+    from bench.bpe_tokenizer import save_bpe_tokenizer
+
+    save_bpe_tokenizer(8192, 8191, tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    schema = {"type": "object", "properties": {"k1": {"type": "array", "items": {"type": "string", "maxLength": 2}},
+                                               "k2": {"type": "string", "maxLength": 12}},
+              "required": ["k1", "k2"], "additionalProperties": False}
+    so = StructuredOutputs(tok, 8192, [8191], backend="xgrammar")
+    compiled, rng = so.compile(StructuredOutput(json=json.dumps(schema))), random.Random(0)
+    try:
+        for _ in range(12):
+            text = tok.decode(walk(so, so.new_grammar(compiled), 8191, rng, vocab=8192))
+            jsonschema.validate(json.loads(text), schema)
+    finally:
+        so.shutdown()
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutput(json=json.dumps({"type": "array", "items": {"type": "string", "maxLength": 2}})),
+    StructuredOutput(json=json.dumps({"type": "array", "items": {"type": "string"}})),
+    StructuredOutput(regex='\\["/..?"'),
+    StructuredOutput(regex='\\["/[^x]+"'),
+])
+def test_no_surrogate_bytes_inside_strings(xgr, tok, constraint):
+    """ED A3 BD encodes U+D8FD, a UTF-16 half: not UTF-8. xgrammar 0.2.9 took it for one character (the soak's
+    request 59 wrote '["/\\xed\\xa3\\xbd"]' under maxLength 2); safe_ebnf excludes them. ED 95 BF (U+D57F) stays."""
+    grammar = xgr.new_grammar(xgr.compile(constraint))
+    assert isinstance(grammar, XgrGrammar)
+    head = tok.encode('["/', add_special_tokens=False)
+    assert all(grammar.accept(t) for t in head)
+    bytes_ = tok.convert_tokens_to_ids(["í", "£", "½"])  # GPT-2 byte-level spellings of ED A3 BD
+    assert grammar.accept(bytes_[0]) and not grammar.accept(bytes_[1])
+    valid = xgr.new_grammar(xgr.compile(constraint))
+    assert all(valid.accept(t) for t in head + tok.convert_tokens_to_ids(["í", "Ĺ", "¿"]))
