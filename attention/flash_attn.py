@@ -17,9 +17,14 @@ from attention.base import DEFAULT_BLOCK_SIZE, AttentionBackend, AttentionImpl, 
 
 
 def _write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    try:
-        from attention.triton_paged import write_kv_triton as write
-    except ImportError:
+    """Triton's copy on a CUDA device, PyTorch's elsewhere (a CPU host may have triton installed, without a
+    driver for it: xgrammar pulls it in)."""
+    if key.is_cuda:
+        try:
+            from attention.triton_paged import write_kv_triton as write
+        except ImportError:
+            from attention.torch_ref import write_kv_torch as write
+    else:
         from attention.torch_ref import write_kv_torch as write
     write(key, value, key_cache, value_cache, slot_mapping)
 

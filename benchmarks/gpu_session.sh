@@ -85,6 +85,7 @@ case "$what" in
     pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
     pip install --target /tmp/vllm-site --no-deps -q .carry/vllm-extra/*.whl 2>&1 | grep -v WARNING | tail -2
     python3 -c "import server.app, server.launcher, llguidance, httptools" || exit 1
+    python3 -c "import xgrammar" 2>/dev/null && echo "xgrammar: JSON masks" || echo "no xgrammar: llguidance masks"
     timeout 450 python3 benchmarks/online_pair.py --out "$out/pair.json" --raw-dir "$out/pair-raw" --deadline-s 430 \
       "$@" > "$out/pair.log" 2>&1
     show "$out/pair.log" 45 ;;

@@ -123,6 +123,9 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens of concurrency; max_model_len=%d, "
                     "max_num_batched_tokens=%d", self.num_kv_blocks, self.block_size,
                     self.num_kv_blocks * self.block_size, self.max_model_len, self.max_num_batched_tokens)
+        if self.structured is not None:
+            logger.info("structured outputs: %s", "xgrammar for JSON schemas and regexes, llguidance for the rest"
+                        if self.structured.use_xgrammar else "llguidance")
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
