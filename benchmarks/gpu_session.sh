@@ -5,7 +5,8 @@
 # Each part fits in one 10-minute device call: run them as separate calls, back to back.
 # Usage: bash benchmarks/gpu_session.sh tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode [extra bench-throughput args...]
 #        bash benchmarks/gpu_session.sh hf wb|wa generate|generate_batch|generate,generate_batch
-#        bash benchmarks/gpu_session.sh vs-vllm   (W-B, W-A, W-L: kvserve and vLLM 0.24.0 interleaved, ~5.5 min)
+#        bash benchmarks/gpu_session.sh vs-vllm   (W-B, W-A, W-L: kvserve and vLLM 0.24.0 interleaved, ~5.5 min;
+#                                                   vs-vllm-ab: W-B, W-A and W-B again; vs-vllm-l: W-L)
 #        bash benchmarks/gpu_session.sh tiles  (issue 19: decode tile variants, checked then timed, ~2 min)
 #        bash benchmarks/gpu_session.sh first-rep  (issue 19: where the first repetition's time goes, ~3 min)
 #        bash benchmarks/gpu_session.sh pair   (both servers: .carry/extra and .carry/vllm-extra carried, from
@@ -48,18 +49,27 @@ case "$what" in
     timeout 580 python3 -m bench.throughput --preset "$preset" --attention-backend "${HF_WITH_KVSERVE-${backends%%,*}}" \
       --compare-hf "$methods" "${common[@]}" --out "$out/$tag.json" > "$out/$tag.log" 2>&1
     show "$out/$tag.log" 20 ;;
-  vs-vllm)
-    # Issue 19's "W-A and W-B stay >= 1.8x, W-L >= 1.2x", in one call: each kvserve run beside vLLM's.
-    kv() { timeout "$1" python3 -m bench.throughput --preset "$2" "${@:3}" --out "$out/kvserve-$2.json" \
-             > "$out/kvserve-$2.log" 2>&1; show "$out/kvserve-$2.log" 2; }
-    kv 90 wb "${common[@]}"
-    kv 100 wa "${common[@]}"
-    PYTHONPATH=/tmp/vllm-site timeout 170 python3 .carry/peers/vllm_bench.py --reps 3 > "$out/vllm-ab.log" 2>&1
-    grep RESULT "$out/vllm-ab.log" | cut -c1-220
-    kv 100 wl --skip-tokenizer-init --repeat 3
-    PYTHONPATH=/tmp/vllm-site timeout 170 python3 benchmarks/vllm_wl.py --preset wl --repeat 3 \
-      --out "$out/vllm-wl.json" > "$out/vllm-wl.log" 2>&1
-    show "$out/vllm-wl.log" 5 ;;
+  vs-vllm|vs-vllm-ab|vs-vllm-l)
+    # Issue 19's "W-A and W-B stay >= 1.8x, W-L >= 1.2x", in one call: each kvserve run beside vLLM's
+    # (-ab: W-B, W-A, vLLM's both, W-B again; -l: W-L and vLLM's; vs-vllm: both halves, ~5.5 min).
+    kv() { timeout "$1" python3 -m bench.throughput --preset "$2" "${@:3}" --out "$out/kvserve-$2$KV_TAG.json" \
+             > "$out/kvserve-$2$KV_TAG.log" 2>&1; show "$out/kvserve-$2$KV_TAG.log" 2; }
+    KV_TAG=""
+    if [ "$what" != vs-vllm-l ]; then
+      kv 90 wb "${common[@]}"
+      kv 100 wa "${common[@]}"
+      PYTHONPATH=/tmp/vllm-site timeout 170 python3 .carry/peers/vllm_bench.py --reps 3 > "$out/vllm-ab.log" 2>&1
+      grep RESULT "$out/vllm-ab.log" | cut -c1-220
+    fi
+    if [ "$what" = vs-vllm-ab ]; then
+      KV_TAG="-after"; kv 90 wb "${common[@]}"  # W-B moved +-10% between processes before
+    fi
+    if [ "$what" != vs-vllm-ab ]; then
+      kv 100 wl --skip-tokenizer-init --repeat 3
+      PYTHONPATH=/tmp/vllm-site timeout 170 python3 benchmarks/vllm_wl.py --preset wl --repeat 3 \
+        --out "$out/vllm-wl.json" > "$out/vllm-wl.log" 2>&1
+      show "$out/vllm-wl.log" 5
+    fi ;;
   tiles)
     # Issue 19's largest W-L lever: the Triton decode tile variants, checked against the reference, then
     # timed beside the shipped tiles on W-L's decode shape at 16- and 128-token pages (~2 min).
@@ -89,5 +99,5 @@ case "$what" in
     timeout 450 python3 benchmarks/online_pair.py --out "$out/pair.json" --raw-dir "$out/pair-raw" --deadline-s 430 \
       "$@" > "$out/pair.log" 2>&1
     show "$out/pair.log" 45 ;;
-  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm|tiles|first-rep" >&2; exit 2 ;;
+  *) echo "unknown part $what: tests|profile|wb|wa|wl|wl-32k|wl-decode|wl-32k-decode|hf|pair|vs-vllm[-ab|-l]|tiles|first-rep" >&2; exit 2 ;;
 esac
