@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,7 @@ class StepHandle:
     done: torch.cuda.Event | None
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # already on the host
     logits: torch.Tensor | None = None  # [n, vocab] until sampled (a step with grammar rows: engine calls sample)
+    masks: Future | None = None  # its grammar masks, filling (start_masks), when started before sample()
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -285,12 +287,19 @@ class ModelRunner:
         step's tokens are read and every matcher has consumed them (the forward already runs meanwhile)."""
         return self.structured is not None and any([r.grammar is not None for r in requests])
 
+    def start_masks(self, handle: StepHandle) -> None:
+        """Start filling a launched step's grammar masks (its rows' matchers are up to date) for sample()."""
+        if handle.logits is not None and self.structured is not None:
+            handle.masks = self.structured.start_fill(handle.requests)
+
     @torch.inference_mode()
     def sample(self, handle: StepHandle) -> None:
-        """Sample a launched step's logits (grammar masks first, filled now), leaving the tokens on the device."""
+        """Sample a launched step's logits (grammar masks first: started by start_masks, or filled now), leaving
+        the tokens on the device."""
         logits, handle.logits = handle.logits, None
         if self.structured is not None:
-            masks = self.structured.fill(handle.requests)
+            started, handle.masks = handle.masks, None
+            masks = started.result() if started is not None else self.structured.fill(handle.requests)
             if masks is not None:
                 self.structured.apply(logits, masks)
         handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)

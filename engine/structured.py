@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -62,6 +63,7 @@ class StructuredOutputs:
         self._aliases: EosAliases | None = None  # EOS ids that tokenizer does not know (set with it)
         self._executor = None  # llguidance.LLExecutor, made on the first fill
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
+        self._fills: ThreadPoolExecutor | None = None  # start_fill's thread, made on first use
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
         self._shifts: dict[torch.device, torch.Tensor] = {}
 
@@ -102,6 +104,15 @@ class StructuredOutputs:
         return Grammar(pristine.deep_copy(), self._aliases)
 
     # ---- masks (the runner: filled once the previous step's tokens are consumed, applied before sampling) --
+    def start_fill(self, requests: list[Request]) -> Future:
+        """fill() in a thread of its own, for a step whose rows' matchers have consumed every earlier token: the
+        engine starts it and goes on with the previous step's detokenization meanwhile (both engines' fills
+        release the GIL). The rows' matchers are read now, in the caller's thread."""
+        if self._fills is None:
+            self._fills = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
+        grammars = [SimpleNamespace(grammar=r.grammar) for r in requests]
+        return self._fills.submit(self.fill, grammars)
+
     def fill(self, requests: list[Request]) -> MaskBatch | None:
         """The bitmasks of the rows under a grammar: xgrammar's rows by its batch fill, llguidance's by its
         parallel executor (it releases the GIL and spreads rows over 80% of the cores)."""
@@ -148,6 +159,8 @@ class StructuredOutputs:
 
     def shutdown(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
+        if self._fills is not None:
+            self._fills.shutdown(wait=False, cancel_futures=True)
         if self._xgr is not None:
             self._xgr.shutdown()
 

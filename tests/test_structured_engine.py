@@ -45,7 +45,15 @@ def test_mixed_batch_unconstrained_rows_unchanged(llm, reference, async_scheduli
     llm.engine.async_scheduling = async_scheduling  # the engine reads it every step
     prompts = [p for pair in zip(PROMPTS, PROMPTS) for p in pair]
     params = [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS)
-    out = run(llm, prompts, params)
+    structured, started = llm.engine.structured, []
+    real_start = structured.start_fill
+    structured.start_fill = lambda requests: started.append(1) or real_start(requests)
+    try:
+        out = run(llm, prompts, params)
+    finally:
+        structured.start_fill = real_start
+    # Pipelined, a step's masks fill while the previous step detokenizes (engine/engine.py _postprocess).
+    assert (len(started) > 10) == async_scheduling
     assert out[0::2] == free
     assert out[1::2] == constrained
     llm.engine.async_scheduling = False
