@@ -1,8 +1,9 @@
 """EngineConfig: every engine knob in one place, validated, no I/O."""
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, fields
+
+from engine import grammar_xgr
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,7 +69,7 @@ class EngineConfig:
              "grammar_max_size and grammar_compile_fuel must be >= 1")
         need(self.structured_outputs_backend in GRAMMAR_BACKENDS,
              f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}, got {self.structured_outputs_backend!r}")
-        need(self.structured_outputs_backend != "xgrammar" or importlib.util.find_spec("xgrammar") is not None,
+        need(self.structured_outputs_backend != "xgrammar" or grammar_xgr.available(),
              "structured_outputs_backend xgrammar: xgrammar is not installed (pip install 'kvserve[xgrammar]')")
 
     @classmethod

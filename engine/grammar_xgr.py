@@ -163,11 +163,12 @@ class XgrCompiler:
     def fill(self, rows: list, bitmask) -> None:
         """Fill bitmask rows: `rows` holds (matcher, row index) pairs. A matcher that took EOS has ended (its
         request too: the step was scheduled before the engine read that token); its row allows everything."""
-        live = [(m, j) for m, j in rows if not m.is_terminated()]
-        if len(live) < len(rows):
-            for m, j in rows:
-                if m.is_terminated():
-                    bitmask[j] = -1
+        live = []
+        for m, j in rows:
+            if m.is_terminated():
+                bitmask[j] = -1
+            else:
+                live.append((m, j))
         if live:
             self.batch.batch_fill_next_token_bitmask([m for m, _ in live], bitmask, [j for _, j in live])
 

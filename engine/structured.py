@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -110,20 +109,28 @@ class StructuredOutputs:
         release the GIL). The rows' matchers are read now, in the caller's thread."""
         if self._fills is None:
             self._fills = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
-        grammars = [SimpleNamespace(grammar=r.grammar) for r in requests]
-        return self._fills.submit(self.fill, grammars)
+        return self._fills.submit(self._fill_rows, *self._constrained_rows(requests))
 
     def fill(self, requests: list[Request]) -> MaskBatch | None:
         """The bitmasks of the rows under a grammar: xgrammar's rows by its batch fill, llguidance's by its
         parallel executor (it releases the GIL and spreads rows over 80% of the cores)."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        return self._fill_rows(*self._constrained_rows(requests))
+
+    @staticmethod
+    def _constrained_rows(requests: list[Request]) -> tuple[list[int], list, list]:
+        """(the rows under a grammar, xgrammar's (matcher, mask row) pairs, llguidance's)."""
+        rows, xgr, llg = [], [], []
+        for i, r in enumerate(requests):
+            grammar = r.grammar
+            if grammar is not None:
+                (xgr if type(grammar) is XgrGrammar else llg).append((grammar.matcher, len(rows)))
+                rows.append(i)
+        return rows, xgr, llg
+
+    def _fill_rows(self, rows: list[int], xgr: list, llg: list) -> MaskBatch | None:
         if not rows:
             return None
         bitmask = torch.empty(len(rows), self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        xgr, llg = [], []
-        for j, i in enumerate(rows):
-            grammar = requests[i].grammar
-            (xgr if type(grammar) is XgrGrammar else llg).append((grammar.matcher, j))
         if xgr:
             self._xgr.fill(xgr, bitmask)
         if llg:
