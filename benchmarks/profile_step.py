@@ -38,6 +38,7 @@ class PartTimer:
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self._wrapped: list[tuple[object, str, object]] = []
 
     def wrap(self, obj, attr: str, name: str) -> None:
@@ -50,6 +51,7 @@ class PartTimer:
                 return fn(*args, **kwargs)
             finally:
                 self.totals[name] += time.perf_counter() - start
+                self.calls[name] += 1
 
         setattr(obj, attr, timed)
 

@@ -47,7 +47,7 @@ def test_mixed_batch_unconstrained_rows_unchanged(llm, reference, async_scheduli
     params = [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS)
     structured, started = llm.engine.structured, []
     real_start = structured.start_fill
-    structured.start_fill = lambda requests: started.append(1) or real_start(requests)
+    structured.start_fill = lambda *args: started.append(1) or real_start(*args)
     try:
         out = run(llm, prompts, params)
     finally:
@@ -130,3 +130,58 @@ def test_an_id_reused_while_the_aborted_requests_grammar_compiles(llm):
     finished = [o.finish_reason for o in outs if o.finish_reason is not None]
     assert finished == [FinishReason.ABORT, FinishReason.STOP] or finished == [FinishReason.ABORT, FinishReason.LENGTH]
     assert eng.scheduler.stats().num_blocks_used == 0
+
+
+def _log_calls(obj, name: str, log: list) -> None:
+    real = getattr(obj, name)
+
+    def logged(*args, **kwargs):
+        log.append(name)
+        return real(*args, **kwargs)
+    setattr(obj, name, logged)
+
+
+def test_pipelined_steps_prepare_the_next_step_before_sampling(tiny_model_dir, reference):
+    """Async scheduling through the decode graphs' staging (no capture, on the CPU): a constrained step is
+    sampled only after the step behind it is scheduled and its inputs staged, the matchers consume each
+    token in the mask thread, and the outputs are those of the synchronous run, constrained and free."""
+    _, free, constrained = reference
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, async_scheduling=True, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.decode_graphs = runner.make_graphs(8, llm.engine.max_model_len, None, capture=False)
+    calls: list[str] = []
+    for name in ("prepare", "sample", "stage"):
+        _log_calls(runner.decode_graphs if name == "stage" else runner, name, calls)
+    structured, consumed = llm.engine.structured, []
+    real_start = structured.start_fill
+    structured.start_fill = lambda reqs, pairs=(): consumed.append(len(pairs)) or real_start(reqs, pairs)
+    prompts = [p for pair in zip(PROMPTS, PROMPTS) for p in pair]
+    out = run(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS))
+    assert out[0::2] == free and out[1::2] == constrained
+    order = "".join({"prepare": "p", "sample": "s", "stage": "g"}[c] for c in calls)
+    assert order.count("pgs") > 10, order  # prepared (staged in the graph's buffers), then the previous sampled
+    assert sum(consumed) >= sum(len(ids) for ids in constrained) - len(PROMPTS)  # consumed in the mask thread
+    assert llm.engine.scheduler.stats().num_blocks_used == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_refused_token_ends_the_request_with_an_error(llm, async_scheduling):
+    """A mask that is not applied (a bug's stand-in) lets the model pick a token the grammar refuses: that
+    request ends with invalid_grammar, its blocks come back, and the next request is served."""
+    eng, tok = llm.engine, llm.get_tokenizer()
+    eng.async_scheduling = async_scheduling
+    structured = eng.structured
+    real_apply, structured.apply = structured.apply, lambda logits, batch: None
+    finished = {}
+    try:
+        for i, prompt in enumerate(PROMPTS[:2]):
+            eng.add_request(f"bypassed-{i}", tok.encode(prompt), json_params())
+        while eng.has_unfinished_requests():
+            finished.update({o.request_id: (o.finish_reason, o.error_code) for o in eng.step() if o.finished})
+    finally:
+        structured.apply = real_apply
+        eng.async_scheduling = False
+    assert finished == {f"bypassed-{i}": (FinishReason.ERROR, "invalid_grammar") for i in range(2)}
+    assert eng.scheduler.stats().num_blocks_used == 0
+    out = llm.generate(PROMPTS[0], json_params())[0].outputs[0]  # served as before
+    jsonschema.validate(json.loads(tok.decode(out.token_ids, skip_special_tokens=True)), SCHEMA)

@@ -1,0 +1,128 @@
+"""What a JSON schema costs the offline engine per step: W-B (256 prompts, 128 output tokens) with 0% and 100%
+of its requests under bench/structured_mix.py's record schema, and where the host's time goes.
+
+    python benchmarks/structured_step.py --out structured_step.json                       # the GPU, Qwen2.5-0.5B shape
+    python benchmarks/structured_step.py --device cpu --model-config '{...}' --batch 16   # a smoke run
+
+Issue 15's bar is on the server (json 100% at >= 0.9x json 0%); this isolates the engine's share of it. A
+constrained step samples only after the previous step's tokens are read, the matchers have consumed them and
+the masks are filled, so whatever of that the engine thread does serially lengthens every step. Each run
+times every host section (wall time per call, summed, divided by the run's steps; `fill` runs in the mask
+thread, so it may overlap the others) and the step period (the run's wall time over its steps). Fractions
+alternate, --runs times each after one warm-up each. Prints a table, writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bench.models import build_random_model, parse_model_config  # noqa: E402
+from bench.structured_mix import SCHEMA  # noqa: E402
+from bench.workloads import workload_wb  # noqa: E402
+from benchmarks.profile_step import PartTimer  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.request import SamplingParams, StructuredOutput  # noqa: E402
+
+# (object path from the engine, attribute, section name): what each run times. Missing ones are skipped, so
+# the script times older and newer step loops alike.
+SECTIONS = [("scheduler", "schedule", "schedule"), ("runner", "launch", "launch"),
+            ("runner", "prepare", "prepare"), ("runner", "enqueue", "enqueue"), ("runner", "collect", "collect"),
+            ("", "_postprocess", "postprocess"), ("", "_advance_grammars", "consume"),
+            ("runner", "sample", "sample (waits for masks)"), ("runner.structured", "_fill_rows", "fill (mask thread)"),
+            ("runner.structured", "apply", "apply masks")]
+
+
+def build(args) -> LLM:
+    model_dir = build_random_model(parse_model_config(args.model_config), Path(tempfile.mkdtemp()), tokenizer="bpe")
+    return LLM(str(model_dir), device=args.device, max_model_len=2048, max_num_batched_tokens=16384,
+               max_num_seqs=args.batch, enable_prefix_caching=False)
+
+
+def requests(llm: LLM, batch: int, fraction: float) -> tuple[list[list[int]], list[SamplingParams]]:
+    vocab = llm.engine.vocab_size
+    prompts = [[t % vocab for t in p] for p in workload_wb().prompts[:batch]]
+    constrained = round(fraction * batch)
+    schema = StructuredOutput(json=json.dumps(SCHEMA))
+    params = [SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True,
+                             structured=schema if i < constrained else None) for i in range(batch)]
+    return prompts, params
+
+
+def timed_run(llm: LLM, prompts, params) -> dict:
+    engine, timer = llm.engine, PartTimer()
+    for path, attr, name in SECTIONS:
+        obj = engine
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, attr):
+            timer.wrap(obj, attr, name)
+    timer.wrap(engine, "step", "step (all of it)")
+    start = time.perf_counter()
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        steps = timer.calls.get("step (all of it)", 0)
+        timer.restore()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    if not steps or not tokens:
+        reasons = sorted({str(c.finish_reason) for o in outs for c in o.outputs})
+        raise RuntimeError(f"{steps} steps, {tokens} tokens in {seconds:.3f} s; finish reasons {reasons}")
+    return {"ms_per_step": seconds * 1e3 / steps, "out_tok_s": tokens / seconds, "steps": steps,
+            "sections_ms_per_step": {k: v * 1e3 / steps for k, v in timer.totals.items()}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-config", default="qwen2.5-0.5b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    llm = build(args)
+    loads = {f: requests(llm, args.batch, f) for f in args.fractions}
+    for f in args.fractions:  # warm-up: graphs, the grammar compile, every path
+        llm.generate(*loads[f])
+    runs: dict[float, list[dict]] = {f: [] for f in args.fractions}
+    for _ in range(args.runs):
+        for f in args.fractions:
+            runs[f].append(timed_run(llm, *loads[f]))
+    result = summarize(args, runs)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def summarize(args, runs: dict[float, list[dict]]) -> dict:
+    """The table: per fraction, the median run's figures (by out tok/s) and each section's median."""
+    base = statistics.median(r["out_tok_s"] for r in runs[args.fractions[0]])
+    rows = {}
+    for f, rs in runs.items():
+        tok_s = statistics.median(r["out_tok_s"] for r in rs)
+        names = sorted({n for r in rs for n in r["sections_ms_per_step"]})
+        rows[f] = {"out_tok_s": tok_s, "vs_first": tok_s / base,
+                   "ms_per_step": statistics.median(r["ms_per_step"] for r in rs),
+                   "sections_ms_per_step": {n: statistics.median(r["sections_ms_per_step"].get(n, 0.0) for r in rs)
+                                            for n in names}, "runs": rs}
+    names = sorted({n for row in rows.values() for n in row["sections_ms_per_step"]})
+    print(f"{'json fraction':26s}" + "".join(f"{f:>12.0%}" for f in rows))
+    print(f"{'out tok/s':26s}" + "".join(f"{row['out_tok_s']:>12,.0f}" for row in rows.values()))
+    print(f"{'vs first':26s}" + "".join(f"{row['vs_first']:>12.2f}" for row in rows.values()))
+    print(f"{'ms per step':26s}" + "".join(f"{row['ms_per_step']:>12.3f}" for row in rows.values()))
+    for n in names:
+        print(f"  {n:24s}" + "".join(f"{row['sections_ms_per_step'].get(n, 0.0):>12.3f}" for row in rows.values()))
+    return {"batch": args.batch, "device": args.device, "model_config": args.model_config,
+            "fractions": {str(f): row for f, row in rows.items()}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
