@@ -127,7 +127,7 @@ def test_xgrammar_bitmask_kernel_equals_the_unpacked_reference(vocab):
     torch.manual_seed(0)
     words = (vocab + 31) // 32
     so = StructuredOutputs.__new__(StructuredOutputs)  # apply() reads only use_xgrammar and the shift cache
-    so.use_xgrammar, so._shifts = True, {}
+    so.use_xgrammar, so._shifts, so._copy_stream = True, {}, None
     logits = torch.randn(256, vocab, device="cuda", dtype=torch.bfloat16)
     batch = MaskBatch(list(range(256)), torch.randint(-2**31, 2**31 - 1, (256, words), dtype=torch.int32))
     want, got = logits.clone(), logits.clone()
