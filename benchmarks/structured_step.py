@@ -79,6 +79,52 @@ def timed_run(llm: LLM, prompts, params) -> dict:
             "sections_ms_per_step": {k: v * 1e3 / steps for k, v in timer.totals.items()}}
 
 
+def variant(llm: LLM, name: str):
+    """Switch one part of the constrained step back to an alternative, for one run; returns the undo.
+    switch5: CPython's default 5 ms GIL switch interval; unpacked: masks applied by the torch reference after
+    a copy on the main stream; serial: each constrained step sampled before the next is scheduled (the step
+    loop before 4b61e06); loop-consume: one accept call per row."""
+    import engine.structured as structured_mod
+
+    engine, so = llm.engine, llm.engine.structured
+    if name == "switch5":
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(0.005)
+        return lambda: sys.setswitchinterval(before)
+    if name == "unpacked":
+        so.apply, so._upload = so.apply_unpacked, lambda bitmask, dev: bitmask.to(dev, non_blocking=True)
+        return lambda: (delattr(so, "apply"), delattr(so, "_upload"))
+    if name == "serial":
+        engine._pipelined = lambda: False
+        return lambda: delattr(engine, "_pipelined")
+    if name == "loop-consume":
+        real = structured_mod.consume
+        structured_mod.consume = lambda consumed: [r for r, t in consumed if not r.grammar.accept(t)]
+        return lambda: setattr(structured_mod, "consume", real)
+    return lambda: None
+
+
+def run_variants(args, llm: LLM, loads: dict) -> dict:
+    """json 0% first and last, json 100% under each --variants entry between (default: as built); each row
+    is printed as it comes."""
+    rows = {}
+
+    def record(name: str, fraction: float, what: str = "") -> None:
+        undo = variant(llm, what)
+        try:
+            r = rows[name] = timed_run(llm, *loads[fraction])
+        finally:
+            undo()
+        print(f"{name:28s} {r['out_tok_s']:>10,.0f} tok/s {r['ms_per_step']:7.3f} ms/step  " + "  ".join(
+            f"{k} {v:.2f}" for k, v in sorted(r["sections_ms_per_step"].items())), flush=True)
+
+    record("json 0%", 0.0)
+    for name in args.variants:
+        record(f"json 100% {name}", 1.0, name)
+    record("json 0% again", 0.0)
+    return {"variants": rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-config", default="qwen2.5-0.5b")
@@ -86,12 +132,19 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--variants", nargs="*", default=[],
+                   help="json 100%% once per entry: as-built, switch5, unpacked, serial, loop-consume")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     llm = build(args)
     loads = {f: requests(llm, args.batch, f) for f in args.fractions}
     for f in args.fractions:  # warm-up: graphs, the grammar compile, every path
         llm.generate(*loads[f])
+    if args.variants:
+        result = run_variants(args, llm, loads)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2))
+        return 0
     runs: dict[float, list[dict]] = {f: [] for f in args.fractions}
     for _ in range(args.runs):
         for f in args.fractions:
