@@ -32,8 +32,7 @@ from engine.request import SamplingParams, StructuredOutput  # noqa: E402
 
 # (object path from the engine, attribute, section name): what each run times. Missing ones are skipped, so
 # the script times older and newer step loops alike.
-SECTIONS = [("scheduler", "schedule", "schedule"), ("runner", "launch", "launch"),
-            ("runner", "prepare", "prepare"), ("runner", "enqueue", "enqueue"), ("runner", "collect", "collect"),
+SECTIONS = [("scheduler", "schedule", "schedule"), ("runner", "launch", "launch"), ("runner", "collect", "collect"),
             ("", "_postprocess", "postprocess"), ("", "_advance_grammars", "consume"),
             ("runner", "sample", "sample (waits for masks)"), ("runner.structured", "_fill_rows", "fill (mask thread)"),
             ("runner.structured", "apply", "apply masks")]
@@ -82,27 +81,16 @@ def timed_run(llm: LLM, prompts, params) -> dict:
 
 
 def variant(llm: LLM, name: str):
-    """Switch one part of the constrained step back to an alternative, for one run; returns the undo.
-    switch5: CPython's default 5 ms GIL switch interval; unpacked: masks applied by the torch reference after
-    a copy on the main stream; serial: each constrained step sampled before the next is scheduled (the step
-    loop before 4b61e06); loop-consume: one accept call per row."""
-    import engine.structured as structured_mod
-
-    engine, so = llm.engine, llm.engine.structured
-    if name == "switch5":
+    """Change one thing for one run; returns the undo. switch02: a 0.2 ms GIL switch interval (CPython's
+    default is 5 ms): on the 2-core development machine a 3 ms xgrammar fill in a thread beside 3 ms of Python
+    took 6.3 ms at 5 ms and 3.4 ms at 0.2 ms, because the filling thread waits that long for the GIL to start
+    and to return (docs/structured_outputs.md "Limits"). as-built: nothing."""
+    if name == "switch02":
         before = sys.getswitchinterval()
-        sys.setswitchinterval(0.005)
+        sys.setswitchinterval(0.0002)
         return lambda: sys.setswitchinterval(before)
-    if name == "unpacked":
-        so.apply, so._upload = so.apply_unpacked, lambda bitmask, dev: bitmask.to(dev, non_blocking=True)
-        return lambda: (delattr(so, "apply"), delattr(so, "_upload"))
-    if name == "serial":
-        engine._pipelined = lambda: False
-        return lambda: delattr(engine, "_pipelined")
-    if name == "loop-consume":
-        real = structured_mod.consume
-        structured_mod.consume = lambda consumed: [r for r, t in consumed if not r.grammar.accept(t)]
-        return lambda: setattr(structured_mod, "consume", real)
+    if name != "as-built":
+        raise ValueError(f"unknown variant {name!r}: as-built, switch02")
     return lambda: None
 
 
@@ -111,7 +99,7 @@ def run_variants(args, llm: LLM, loads: dict) -> dict:
     is printed as it comes."""
     rows = {}
 
-    def record(name: str, fraction: float, what: str = "") -> None:
+    def record(name: str, fraction: float, what: str = "as-built") -> None:
         undo = variant(llm, what)
         try:
             r = rows[name] = timed_run(llm, *loads[fraction])
@@ -135,7 +123,7 @@ def main() -> int:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--variants", nargs="*", default=[],
-                   help="json 100%% once per entry: as-built, switch5, unpacked, serial, loop-consume")
+                   help="json 100%% once per entry: as-built, switch02")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     llm = build(args)

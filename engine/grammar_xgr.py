@@ -110,20 +110,6 @@ class XgrGrammar:
         return "the token is outside the grammar"
 
 
-def batch_accept(matchers: list, tokens: list[int]) -> list[bool]:
-    """Each xgrammar matcher accepts its token, in one call; whether each did."""
-    import xgrammar
-
-    return xgrammar.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-
-
-def apply_bitmask(logits, bitmask) -> None:
-    """xgrammar's kernel: logits[i, j] = -inf where bit j of bitmask row i is 0 (both on the device)."""
-    import xgrammar
-
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask)
-
-
 class XgrCompiled:
     """A compiled xgrammar grammar: requests get matchers of their own."""
     __slots__ = ("compiled",)

@@ -12,20 +12,18 @@ engine appends, so preemption (recompute) and prefix-cache hits leave it where i
 from __future__ import annotations
 
 import logging
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from engine.grammar import LRU, EosAliases, GrammarLimits, grammar_text, llg_tokenizer
-from engine.grammar_xgr import XgrCompiled, XgrCompiler, XgrGrammar, apply_bitmask, batch_accept
+from engine.grammar_xgr import XgrCompiled, XgrCompiler, XgrGrammar
 from engine.grammar_xgr import available as xgrammar_available
 from engine.request import Request, RequestError, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
-MASK_SWITCH_INTERVAL_S = 0.0002  # sys.setswitchinterval once masks fill in their own thread (start_fill)
 CACHE_SIZE = 256  # compiled grammars kept (a pristine matcher each; requests get copies)
 
 
@@ -50,29 +48,6 @@ class MaskBatch:
     bitmask: torch.Tensor  # [len(rows), words] int32 on the host: bit j of word w allows token 32 * w + j
 
 
-@dataclass
-class Filled:
-    """What the mask thread hands back for a step (StructuredOutputs.start_fill)."""
-    masks: MaskBatch | None
-    refused: list[Request]  # requests whose matcher refused the token it consumed before the fill
-
-
-def consume(consumed: list[tuple[Request, int]]) -> list[Request]:
-    """Each request's matcher accepts its new token; the requests whose matcher refused it. xgrammar's rows in
-    one call (less Python holding the GIL than a call per row: 0.39 ms for 256 rows, of which the engine
-    thread's Python lost ~0.4 ms, against ~0.7 ms lost to 256 calls; /tmp/gil2.py on this 2-core machine)."""
-    refused, xgr = [], []
-    for req, token in consumed:
-        if type(req.grammar) is XgrGrammar:
-            xgr.append((req, token))
-        elif not req.grammar.accept(token):
-            refused.append(req)
-    if xgr:
-        accepted = batch_accept([req.grammar.matcher for req, _ in xgr], [token for _, token in xgr])
-        refused += [req for (req, _), ok in zip(xgr, accepted) if not ok]
-    return refused
-
-
 class StructuredOutputs:
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits | None = None,
                  backend: str = "auto") -> None:
@@ -90,7 +65,6 @@ class StructuredOutputs:
         self._fills: ThreadPoolExecutor | None = None  # start_fill's thread, made on first use
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
         self._shifts: dict[torch.device, torch.Tensor] = {}
-        self._copy_stream = None  # CUDA: the masks' host-to-device copies (_upload)
 
     # ---- compiling (engine thread submits, one helper thread compiles) ---------------------------------
     def compile(self, so: StructuredOutput) -> Future:
@@ -129,23 +103,13 @@ class StructuredOutputs:
         return Grammar(pristine.deep_copy(), self._aliases)
 
     # ---- masks (the runner: filled once the previous step's tokens are consumed, applied before sampling) --
-    def start_fill(self, requests: list[Request], consumed: list[tuple[Request, int]] = ()) -> Future:
-        """A future of a step's masks (MaskBatch or None) and the requests whose matcher refused its token in
-        `consumed`, both computed in the mask thread: first every (request, token) of `consumed` is accepted,
-        then the masks of `requests` are filled. The engine goes on meanwhile (detokenization, the next
-        step's scheduling and inputs); both engines release the GIL. Which rows are constrained is read now,
-        in the caller's thread."""
+    def start_fill(self, requests: list[Request]) -> Future:
+        """fill() in a thread of its own, for a step whose rows' matchers have consumed every earlier token: the
+        engine starts it and goes on with the previous step's detokenization meanwhile (both engines' fills
+        release the GIL). The rows' matchers are read now, in the caller's thread."""
         if self._fills is None:
             self._fills = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
-            # The mask thread overlaps the engine thread only if it gets the GIL soon after asking: with
-            # CPython's default 5 ms switch interval it waited out the engine thread's whole step (a 3 ms fill
-            # beside 3 ms of Python took 6.3 ms; at 0.2 ms, 3.4 ms). Process-wide, by necessity.
-            sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_INTERVAL_S))
-        return self._fills.submit(self._consume_and_fill, list(consumed), *self._constrained_rows(requests))
-
-    def _consume_and_fill(self, consumed: list[tuple[Request, int]], rows, xgr, llg) -> Filled:
-        refused = consume(consumed)  # first: the masks are those of the matchers after these tokens
-        return Filled(self._fill_rows(rows, xgr, llg), refused)
+        return self._fills.submit(self._fill_rows, *self._constrained_rows(requests))
 
     def fill(self, requests: list[Request]) -> MaskBatch | None:
         """The bitmasks of the rows under a grammar: xgrammar's rows by its batch fill, llguidance's by its
@@ -183,19 +147,9 @@ class StructuredOutputs:
         self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
-        """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device. Every row
-        constrained, on CUDA, with xgrammar installed: its kernel reads the packed bits (one pass over the
-        logits; unpacking them as below writes two [rows, vocab] int32 temporaries, ~0.3 GB at 256 rows of a
-        152k vocabulary), checked against apply_unpacked in tests/test_kernels.py."""
-        if logits.is_cuda and len(batch.rows) == logits.shape[0] and self.use_xgrammar:
-            apply_bitmask(logits, self._upload(batch.bitmask, logits.device))
-            return
-        self.apply_unpacked(logits, batch)
-
-    def apply_unpacked(self, logits: torch.Tensor, batch: MaskBatch) -> None:
-        """apply() in plain torch: the reference, and the path for a CPU or a step with unconstrained rows."""
+        """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
         dev, vocab = logits.device, logits.shape[1]
-        mask = self._upload(batch.bitmask, dev)  # [m, words]
+        mask = batch.bitmask.to(dev, non_blocking=True)  # [m, words]
         bits = (mask.unsqueeze(-1) >> self._shift(dev)) & 1  # [m, words, 32]
         banned = bits.view(len(batch.rows), -1)[:, :vocab] == 0  # [m, vocab]
         if len(batch.rows) == logits.shape[0]:
@@ -203,21 +157,6 @@ class StructuredOutputs:
             return
         rows = torch.tensor(batch.rows, dtype=torch.long).to(dev, non_blocking=True)
         logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
-
-    def _upload(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The bitmask on the device. On CUDA it is copied on a stream of its own (4.9 MB at 256 rows of a
-        152k vocabulary, ~0.25 ms over PCIe): queued behind the forward still running on the main stream it
-        would wait for it, then hold the next step back by its length."""
-        if device.type != "cuda":
-            return bitmask
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        main = torch.cuda.current_stream(device)
-        with torch.cuda.stream(self._copy_stream):
-            mask = bitmask.to(device, non_blocking=True)
-        main.wait_stream(self._copy_stream)
-        mask.record_stream(main)  # allocated on the copy stream, used and freed on the main one
-        return mask
 
     def _shift(self, device: torch.device) -> torch.Tensor:
         shift = self._shifts.get(device)

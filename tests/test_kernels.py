@@ -113,25 +113,3 @@ def test_silu_and_mul_kernel(dtype, inter):
     gate_up = torch.randn(33, 2 * inter, device="cuda", dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_ref(gate_up), rtol=tol, atol=tol)
-
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("vocab", (49152, 151936, 1000))
-def test_xgrammar_bitmask_kernel_equals_the_unpacked_reference(vocab):
-    """engine.structured's CUDA path (xgrammar's kernel on the packed bits) against apply_unpacked, on random
-    bf16 logits and random bitmasks, every row constrained (the only case the kernel takes)."""
-    pytest.importorskip("xgrammar")
-    from engine.structured import MaskBatch, StructuredOutputs
-
-    torch.manual_seed(0)
-    words = (vocab + 31) // 32
-    so = StructuredOutputs.__new__(StructuredOutputs)  # apply() reads only use_xgrammar and the shift cache
-    so.use_xgrammar, so._shifts, so._copy_stream = True, {}, None
-    logits = torch.randn(256, vocab, device="cuda", dtype=torch.bfloat16)
-    batch = MaskBatch(list(range(256)), torch.randint(-2**31, 2**31 - 1, (256, words), dtype=torch.int32))
-    want, got = logits.clone(), logits.clone()
-    so.apply_unpacked(want, batch)
-    so.apply(got, batch)
-    assert torch.equal(got, want)
-    assert torch.isinf(got).sum() > 0

@@ -47,7 +47,7 @@ def test_mixed_batch_unconstrained_rows_unchanged(llm, reference, async_scheduli
     params = [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS)
     structured, started = llm.engine.structured, []
     real_start = structured.start_fill
-    structured.start_fill = lambda *args: started.append(1) or real_start(*args)
+    structured.start_fill = lambda requests: started.append(1) or real_start(requests)
     try:
         out = run(llm, prompts, params)
     finally:
@@ -130,38 +130,6 @@ def test_an_id_reused_while_the_aborted_requests_grammar_compiles(llm):
     finished = [o.finish_reason for o in outs if o.finish_reason is not None]
     assert finished == [FinishReason.ABORT, FinishReason.STOP] or finished == [FinishReason.ABORT, FinishReason.LENGTH]
     assert eng.scheduler.stats().num_blocks_used == 0
-
-
-def _log_calls(obj, name: str, log: list) -> None:
-    real = getattr(obj, name)
-
-    def logged(*args, **kwargs):
-        log.append(name)
-        return real(*args, **kwargs)
-    setattr(obj, name, logged)
-
-
-def test_pipelined_steps_prepare_the_next_step_before_sampling(tiny_model_dir, reference):
-    """Async scheduling through the decode graphs' staging (no capture, on the CPU): a constrained step is
-    sampled only after the step behind it is scheduled and its inputs staged, the matchers consume each
-    token in the mask thread, and the outputs are those of the synchronous run, constrained and free."""
-    _, free, constrained = reference
-    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, async_scheduling=True, max_num_seqs=8)
-    runner = llm.engine.runner
-    runner.decode_graphs = runner.make_graphs(8, llm.engine.max_model_len, None, capture=False)
-    calls: list[str] = []
-    for name in ("prepare", "sample", "stage"):
-        _log_calls(runner.decode_graphs if name == "stage" else runner, name, calls)
-    structured, consumed = llm.engine.structured, []
-    real_start = structured.start_fill
-    structured.start_fill = lambda reqs, pairs=(): consumed.append(len(pairs)) or real_start(reqs, pairs)
-    prompts = [p for pair in zip(PROMPTS, PROMPTS) for p in pair]
-    out = run(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS))
-    assert out[0::2] == free and out[1::2] == constrained
-    order = "".join({"prepare": "p", "sample": "s", "stage": "g"}[c] for c in calls)
-    assert order.count("pgs") > 10, order  # prepared (staged in the graph's buffers), then the previous sampled
-    assert sum(consumed) >= sum(len(ids) for ids in constrained) - len(PROMPTS)  # consumed in the mask thread
-    assert llm.engine.scheduler.stats().num_blocks_used == 0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
