@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import Counter
 import sys
 import tempfile
 import time
@@ -71,12 +72,14 @@ def timed_run(llm: LLM, prompts, params) -> dict:
         timer.restore()
     seconds = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    finished = Counter(str(c.finish_reason) for o in outs for c in o.outputs)  # "error": a failed request
     if not steps or not tokens:  # say what happened, and go on with the next run
         reasons = sorted({str(c.finish_reason) for o in outs for c in o.outputs})
         print(f"no steps or no tokens: {steps} steps, {tokens} tokens in {seconds:.3f} s; finish reasons {reasons}; "
               f"engine steps {engine._steps}", flush=True)
         steps = max(steps, 1)
     return {"ms_per_step": seconds * 1e3 / steps, "out_tok_s": tokens / seconds, "steps": steps,
+            "finish_reasons": dict(finished),
             "sections_ms_per_step": {k: v * 1e3 / steps for k, v in timer.totals.items()}}
 
 
@@ -105,7 +108,7 @@ def run_variants(args, llm: LLM, loads: dict) -> dict:
             r = rows[name] = timed_run(llm, *loads[fraction])
         finally:
             undo()
-        print(f"{name:28s} {r['out_tok_s']:>10,.0f} tok/s {r['ms_per_step']:7.3f} ms/step  " + "  ".join(
+        print(f"{name:28s} {r['out_tok_s']:>10,.0f} tok/s {r['ms_per_step']:7.3f} ms/step  {r['finish_reasons']}  " + "  ".join(
             f"{k} {v:.2f}" for k, v in sorted(r["sections_ms_per_step"].items())), flush=True)
 
     record("json 0%", 0.0)
@@ -161,6 +164,8 @@ def summarize(args, runs: dict[float, list[dict]]) -> dict:
     print(f"{'out tok/s':26s}" + "".join(f"{row['out_tok_s']:>12,.0f}" for row in rows.values()))
     print(f"{'vs first':26s}" + "".join(f"{row['vs_first']:>12.2f}" for row in rows.values()))
     print(f"{'ms per step':26s}" + "".join(f"{row['ms_per_step']:>12.3f}" for row in rows.values()))
+    for f, rs in runs.items():  # a failed request ("error") would make the figures meaningless: say so
+        print(f"  finish reasons at {f:.0%}: {[r['finish_reasons'] for r in rs]}")
     for n in names:
         print(f"  {n:24s}" + "".join(f"{row['sections_ms_per_step'].get(n, 0.0):>12.3f}" for row in rows.values()))
     return {"batch": args.batch, "device": args.device, "model_config": args.model_config,
