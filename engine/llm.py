@@ -77,6 +77,7 @@ def _apply(result: RequestOutput, delta: StepOutput) -> bool:
         return False
     out.finish_reason = delta.finish_reason.value
     out.stop_reason = delta.stop_reason
+    out.error, out.error_code = delta.error, delta.error_code
     result.finished = all(o.finish_reason is not None for o in result.outputs)
     return True
 

@@ -275,6 +275,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # from the prompt's second token on
+    error: str | None = None  # finish_reason "error": why (a grammar that fails to compile, a failed step)
+    error_code: str | None = None  # machine-readable, when the request is at fault (e.g. invalid_grammar)
 
 
 @dataclass

@@ -153,3 +153,17 @@ def test_a_refused_token_ends_the_request_with_an_error(llm, async_scheduling):
     assert eng.scheduler.stats().num_blocks_used == 0
     out = llm.generate(PROMPTS[0], json_params())[0].outputs[0]  # served as before
     jsonschema.validate(json.loads(tok.decode(out.token_ids, skip_special_tokens=True)), SCHEMA)
+
+
+def test_offline_outputs_say_why_a_request_failed(llm):
+    """LLM.generate: a request that ends with an error carries the message and code, not just "error"."""
+    structured = llm.engine.structured
+    real_apply, structured.apply = structured.apply, lambda logits, batch: None  # the mask bypassed
+    try:
+        out = llm.generate(PROMPTS[2], json_params())[0].outputs[0]
+    finally:
+        structured.apply = real_apply
+    assert out.finish_reason == "error" and out.error_code == "invalid_grammar"
+    assert "cannot follow the request's constraint" in out.error
+    ok = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=4)).pop().outputs[0]
+    assert ok.error is None and ok.error_code is None
