@@ -21,6 +21,13 @@ backends="${BACKENDS:-triton,flash-attn-4,triton+flash-attn-4}"
 common=(--max-model-len 2048 --max-num-batched-tokens 16384 --max-num-seqs 256 --skip-tokenizer-init --repeat 3)
 # Full logs under $OUT; only their tails here (the CUTLASS DSL prints many deprecation warnings).
 show() { grep -v "Loading weights\|Writing model\|capturing\|Deprecat\|LayoutEnum\|OperandMajor\|from cutlass" "$1" | tail -"$2"; }
+# Parts that run vLLM check first that it is staged (vllm-1..4 on this machine): a machine released between
+# the staging calls and this one comes back bare, and the kvserve half would spend minutes for no ratio.
+case "$what" in
+  vs-vllm*|wl|wl-32k|wl-decode|wl-32k-decode)
+    PYTHONPATH=/tmp/vllm-site python3 -c "import vllm" 2>/dev/null \
+      || { echo "vLLM is not staged on this machine (stage vllm-1..4 again: the machine was fresh)" >&2; exit 3; } ;;
+esac
 case "$what" in
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
