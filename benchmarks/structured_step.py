@@ -75,9 +75,8 @@ def timed_run(llm: LLM, prompts, params) -> dict:
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     finished = Counter(str(c.finish_reason) for o in outs for c in o.outputs)  # "error": a failed request
     if not steps or not tokens:  # say what happened, and go on with the next run
-        reasons = sorted({str(c.finish_reason) for o in outs for c in o.outputs})
-        print(f"no steps or no tokens: {steps} steps, {tokens} tokens in {seconds:.3f} s; finish reasons {reasons}; "
-              f"engine steps {engine._steps}", flush=True)
+        print(f"no steps or no tokens: {steps} steps, {tokens} tokens in {seconds:.3f} s; finish reasons "
+              f"{dict(finished)}; engine steps {engine._steps}", flush=True)
         steps = max(steps, 1)
     return {"ms_per_step": seconds * 1e3 / steps, "out_tok_s": tokens / seconds, "steps": steps,
             "finish_reasons": dict(finished),
@@ -119,6 +118,14 @@ def run_variants(args, llm: LLM, loads: dict) -> dict:
     return {"variants": rows}
 
 
+def alternated_runs(args, llm: LLM, loads: dict) -> dict[float, list[dict]]:
+    runs: dict[float, list[dict]] = {f: [] for f in args.fractions}
+    for _ in range(args.runs):
+        for f in args.fractions:
+            runs[f].append(timed_run(llm, *loads[f]))
+    return runs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-config", default="qwen2.5-0.5b")
@@ -134,16 +141,7 @@ def main() -> int:
     loads = {f: requests(llm, args.batch, f) for f in args.fractions}
     for f in args.fractions:  # warm-up: graphs, the grammar compile, every path
         llm.generate(*loads[f])
-    if args.variants:
-        result = run_variants(args, llm, loads)
-        if args.out:
-            args.out.write_text(json.dumps(result, indent=2))
-        return 0
-    runs: dict[float, list[dict]] = {f: [] for f in args.fractions}
-    for _ in range(args.runs):
-        for f in args.fractions:
-            runs[f].append(timed_run(llm, *loads[f]))
-    result = summarize(args, runs)
+    result = run_variants(args, llm, loads) if args.variants else summarize(args, alternated_runs(args, llm, loads))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

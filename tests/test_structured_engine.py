@@ -133,36 +133,29 @@ def test_an_id_reused_while_the_aborted_requests_grammar_compiles(llm):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_refused_token_ends_the_request_with_an_error(llm, async_scheduling):
+def test_a_refused_token_ends_the_request_with_an_error(llm, async_scheduling, monkeypatch):
     """A mask that is not applied (a bug's stand-in) lets the model pick a token the grammar refuses: that
     request ends with invalid_grammar, its blocks come back, and the next request is served."""
     eng, tok = llm.engine, llm.get_tokenizer()
-    eng.async_scheduling = async_scheduling
-    structured = eng.structured
-    real_apply, structured.apply = structured.apply, lambda logits, batch: None
-    finished = {}
-    try:
+    with monkeypatch.context() as bypass:
+        bypass.setattr(eng, "async_scheduling", async_scheduling)
+        bypass.setattr(eng.structured, "apply", lambda logits, batch: None)
+        finished = {}
         for i, prompt in enumerate(PROMPTS[:2]):
             eng.add_request(f"bypassed-{i}", tok.encode(prompt), json_params())
         while eng.has_unfinished_requests():
             finished.update({o.request_id: (o.finish_reason, o.error_code) for o in eng.step() if o.finished})
-    finally:
-        structured.apply = real_apply
-        eng.async_scheduling = False
     assert finished == {f"bypassed-{i}": (FinishReason.ERROR, "invalid_grammar") for i in range(2)}
     assert eng.scheduler.stats().num_blocks_used == 0
     out = llm.generate(PROMPTS[0], json_params())[0].outputs[0]  # served as before
     jsonschema.validate(json.loads(tok.decode(out.token_ids, skip_special_tokens=True)), SCHEMA)
 
 
-def test_offline_outputs_say_why_a_request_failed(llm):
+def test_offline_outputs_say_why_a_request_failed(llm, monkeypatch):
     """LLM.generate: a request that ends with an error carries the message and code, not just "error"."""
-    structured = llm.engine.structured
-    real_apply, structured.apply = structured.apply, lambda logits, batch: None  # the mask bypassed
-    try:
+    with monkeypatch.context() as bypass:
+        bypass.setattr(llm.engine.structured, "apply", lambda logits, batch: None)  # the mask bypassed
         out = llm.generate(PROMPTS[2], json_params())[0].outputs[0]
-    finally:
-        structured.apply = real_apply
     assert out.finish_reason == "error" and out.error_code == "invalid_grammar"
     assert "cannot follow the request's constraint" in out.error
     ok = llm.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=4)).pop().outputs[0]
