@@ -98,7 +98,7 @@ def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
     engine, runner = llm.engine, llm.engine.runner
     totals: dict[str, float] = defaultdict(float)
     targets = [(engine, "step"), (engine.scheduler, "schedule"), (runner, "launch"), (runner_mod, "prepare_inputs"),
-               (runner.decode_graphs, "_stage"), (runner.builder, "build_host"), (runner.model, "compute_logits"),
+               (runner.decode_graphs, "stage"), (runner.builder, "build_host"), (runner.model, "compute_logits"),
                (runner.sampler, "sample_on_device"), (runner, "collect"), (engine, "_postprocess"),
                (engine.scheduler, "update")]
     originals = [(obj, name, getattr(obj, name)) for obj, name in targets]

@@ -84,17 +84,25 @@ def timed_run(llm: LLM, prompts, params) -> dict:
 
 
 def variant(llm: LLM, name: str):
-    """Change one thing for one run; returns the undo. switch02: a 0.2 ms GIL switch interval (CPython's
-    default is 5 ms): on the 2-core development machine a 3 ms xgrammar fill in a thread beside 3 ms of Python
-    took 6.3 ms at 5 ms and 3.4 ms at 0.2 ms, because the filling thread waits that long for the GIL to start
-    and to return (docs/structured_outputs.md "Limits"). as-built: nothing."""
-    if name == "switch02":
-        before = sys.getswitchinterval()
-        sys.setswitchinterval(0.0002)
-        return lambda: sys.setswitchinterval(before)
+    """Set the constrained step's two switches for one run; returns the undo. `name` is "<loop>-<interval>":
+    loop `serial` (a constrained step samples in the call that launched it) or `pipelined` (the step after it
+    is scheduled and staged first: engine._step_behind_masks); interval `5ms` (CPython's default) or `0.2ms`
+    (the mask thread gets the GIL back sooner: on the 2-core development machine a 3 ms xgrammar fill in a
+    thread beside 3 ms of Python took 6.3 ms at 5 ms and 3.4 ms at 0.2 ms). `as-built`: the defaults."""
+    engine, before = llm.engine, sys.getswitchinterval()
+    structured, pipelined, interval = engine.structured, engine.pipeline_masks, engine.structured.switch_interval_s
     if name != "as-built":
-        raise ValueError(f"unknown variant {name!r}: as-built, switch02")
-    return lambda: None
+        loop, _, ms = name.partition("-")
+        if loop not in ("serial", "pipelined") or ms not in ("5ms", "0.2ms"):
+            raise ValueError(f"unknown variant {name!r}: as-built, or serial|pipelined-5ms|0.2ms")
+        engine.pipeline_masks = loop == "pipelined"
+        structured.switch_interval_s = None if ms == "5ms" else 0.0002
+        sys.setswitchinterval(0.005 if ms == "5ms" else 0.0002)
+
+    def undo() -> None:
+        engine.pipeline_masks, structured.switch_interval_s = pipelined, interval
+        sys.setswitchinterval(before)
+    return undo
 
 
 def run_variants(args, llm: LLM, loads: dict) -> dict:
@@ -134,7 +142,7 @@ def main() -> int:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--variants", nargs="*", default=[],
-                   help="json 100%% once per entry: as-built, switch02")
+                   help="json 100%% once per entry: as-built, or serial|pipelined-5ms|0.2ms")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     llm = build(args)

@@ -183,6 +183,12 @@ class CudaGraphSteps:
     def _stage(self, seqs: list[SeqSpec], input_ids: list[int], positions: list[int], prev_rows: list[int],
                size: int) -> None:
         """Write a step's inputs into the next host twins and queue their copies."""
+        self._write(seqs, input_ids, positions, prev_rows, size)
+        self.i64.upload()
+        self.i32.upload()
+
+    def _write(self, seqs: list[SeqSpec], input_ids: list[int], positions: list[int], prev_rows: list[int],
+               size: int) -> None:
         n = len(input_ids)
         h64, h32 = self.i64.host(), self.i32.host()  # waits until the twin's last copy is done
         meta = self.builder.build_host(seqs, pad_to_num_tokens=size, pad_to_num_seqs=self._num_seqs(size),
@@ -194,17 +200,25 @@ class CudaGraphSteps:
         h64["slot_mapping"][:size] = meta.slot_mapping
         for name in ("seq_lens", "context_lens", "query_start_loc", "seq_start_loc"):
             h32[name][:len(getattr(meta, name))] = getattr(meta, name)
-        self.i64.upload()
-        self.i32.upload()
 
     def run(self, seqs: list[SeqSpec], input_ids: list[int], positions: list[int], prev_rows: list[int],
             prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """One step -> hidden states [len(input_ids), hidden]. prev_rows[i] >= 0: token i's input is row
         prev_rows[i] of prev_tokens (the previous step's sampled tokens, on the device); input_ids[i] is
         ignored then."""
-        n = len(input_ids)
-        size = self.padded_size(n)
-        self._stage(seqs, input_ids, positions, prev_rows, size)
+        return self.replay(self.stage(seqs, input_ids, positions, prev_rows), len(input_ids), prev_tokens)
+
+    def stage(self, seqs: list[SeqSpec], input_ids: list[int], positions: list[int], prev_rows: list[int]) -> int:
+        """The host half of run(): write the step's inputs into the next host twins; returns the padded size.
+        Nothing reaches the device until replay(), so the previous step may still be waiting to sample."""
+        size = self.padded_size(len(input_ids))
+        self._write(seqs, input_ids, positions, prev_rows, size)
+        return size
+
+    def replay(self, size: int, n: int, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """The device half of run(): copy the staged twins, gather the previous step's tokens, replay."""
+        self.i64.upload()
+        self.i32.upload()
         if prev_tokens is not None:
             self.prev_tokens[:prev_tokens.shape[0]].copy_(prev_tokens)
         if not self.capture_graphs:

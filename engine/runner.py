@@ -54,6 +54,15 @@ class StepInputs:
 
 
 @dataclass
+class PreparedStep:
+    """A step's host work done (ModelRunner.prepare), its device work not yet queued (enqueue)."""
+    finished_ids: list[str]  # requests the scheduler ended: their sampler state goes at enqueue
+    inputs: StepInputs
+    graphs: CudaGraphSteps | None  # the CUDA-graph steps that run it (its inputs staged), or None: eager
+    size: int  # the graph's padded token count
+
+
+@dataclass
 class StepHandle:
     """A launched step: its sampled tokens stay on the device until collect()."""
     request_ids: list[str]  # one per sampled row
@@ -65,6 +74,7 @@ class StepHandle:
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # already on the host
     logits: torch.Tensor | None = None  # [n, vocab] until sampled (a step with grammar rows: engine calls sample)
     masks: Future | None = None  # its grammar masks, filling (start_masks), when started before sample()
+    refused: list[Request] = field(default_factory=list)  # matchers that refused a token, found by the fill
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -259,17 +269,34 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle:
         """Queue the step's work on the device and return at once; inputs that the previous step sampled
         are read from its device tensor, so the host never waits for them."""
-        for rid in out.finished_ids:
-            self.sampler.free(rid)
+        return self.enqueue(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """The host half of launch(): the step's inputs, staged for its CUDA graph when one runs it. The device
+        is not touched, so the engine prepares step N+2 while step N+1 waits for its grammar masks."""
         self._check_warm()
         inputs = prepare_inputs(out)
-        ids = [r.request_id for r in inputs.sample_requests]
         graphs = self._graphs_for(inputs)
-        hidden = self._run_graph(graphs, inputs) if graphs else self._run_eager(inputs)  # [num_tokens, hidden]
+        prev_rows = self._prev_rows(inputs) if graphs else None
+        size = graphs.stage(inputs.seqs, inputs.input_ids, inputs.positions, prev_rows) if graphs else 0
+        return PreparedStep(out.finished_ids, inputs, graphs, size)
+
+    @torch.inference_mode()
+    def enqueue(self, step: PreparedStep) -> StepHandle:
+        """The device half of launch(): forward, logits, and sampling unless a row waits for grammar masks.
+        The previous step must be sampled by now: this step's pending inputs are its tokens."""
+        for rid in step.finished_ids:  # after the previous step's sampling: a seeded row's generator
+            self.sampler.free(rid)
+        inputs = step.inputs
+        ids = [r.request_id for r in inputs.sample_requests]
+        if step.graphs is not None:
+            prev = self._last.tokens if inputs.pending else None
+            hidden = step.graphs.replay(step.size, len(inputs.input_ids), prev)  # [num_tokens, hidden]
+        else:
+            hidden = self._run_eager(inputs)
         handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
         if inputs.prompt_rows:
             handle.prompt_logprobs = prompt_logprobs(self.model, hidden, inputs.prompt_rows)
@@ -287,19 +314,24 @@ class ModelRunner:
         step's tokens are read and every matcher has consumed them (the forward already runs meanwhile)."""
         return self.structured is not None and any([r.grammar is not None for r in requests])
 
-    def start_masks(self, handle: StepHandle) -> None:
-        """Start filling a launched step's grammar masks (its rows' matchers are up to date) for sample()."""
+    def start_masks(self, handle: StepHandle, consumed: list[tuple[Request, int]] = ()) -> None:
+        """Start, in the mask thread, the matchers' consumption of the previous step's tokens (`consumed`) and
+        then the fill of this launched step's grammar masks, for sample()."""
         if handle.logits is not None and self.structured is not None:
-            handle.masks = self.structured.start_fill(handle.requests)
+            handle.masks = self.structured.start_fill(handle.requests, consumed)
 
     @torch.inference_mode()
     def sample(self, handle: StepHandle) -> None:
         """Sample a launched step's logits (grammar masks first: started by start_masks, or filled now), leaving
-        the tokens on the device."""
+        the tokens on the device. handle.refused: requests whose matcher refused a token (see start_masks)."""
         logits, handle.logits = handle.logits, None
         if self.structured is not None:
             started, handle.masks = handle.masks, None
-            masks = started.result() if started is not None else self.structured.fill(handle.requests)
+            if started is not None:
+                filled = started.result()
+                masks, handle.refused = filled.masks, filled.refused
+            else:
+                masks = self.structured.fill(handle.requests)
             if masks is not None:
                 self.structured.apply(logits, masks)
         handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
@@ -324,12 +356,12 @@ class ModelRunner:
         meta = self.builder.build(inputs.seqs)
         return self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
 
-    def _run_graph(self, graphs: CudaGraphSteps, inputs: StepInputs) -> torch.Tensor:
-        prev_rows = [-1] * len(inputs.input_ids)  # per token: its row in the previous step's sampled tokens
+    def _prev_rows(self, inputs: StepInputs) -> list[int]:
+        """Per input token: its row in the previous step's sampled tokens, or -1 where the host knows it."""
+        prev_rows = [-1] * len(inputs.input_ids)
         for (i, _), row in zip(inputs.pending, self._pending_rows(inputs.pending)):
             prev_rows[i] = row
-        return graphs.run(inputs.seqs, inputs.input_ids, inputs.positions, prev_rows,
-                          self._last.tokens if inputs.pending else None)  # [num_tokens, hidden]
+        return prev_rows
 
     def _pending_rows(self, pending: list[tuple[int, str]]) -> list[int]:
         """For each pending input, its row in the previous step's sampled tokens (`self._last.tokens`)."""

@@ -117,11 +117,11 @@ def test_graph_buffers_hold_a_consistent_batch_for_every_size(tiny_model_dir):
             assert int((meta.seq_lens - (meta.query_start_loc[1:] - meta.query_start_loc[:-1])).min()) >= 0
 
 
-def _recording(run, calls: list):
-    """Wrap CudaGraphSteps.run to record (tokens, longest query) of each step it serves."""
+def _recording(stage, calls: list):
+    """Wrap CudaGraphSteps.stage to record (tokens, longest query) of each step it serves."""
     def recorded(seqs, input_ids, *args):
         calls.append((len(input_ids), max(s.query_len for s in seqs)))
-        return run(seqs, input_ids, *args)
+        return stage(seqs, input_ids, *args)
     return recorded
 
 
@@ -148,7 +148,7 @@ def test_graph_paths_equal_eager_steps(tiny_model_dir, kinds):
                 graphs = runner.make_graphs(7, llm.engine.max_model_len, 20 if kind == "mixed" else None,
                                             capture=False)
                 setattr(runner, f"{kind}_graphs", graphs)
-                graphs.run = _recording(graphs.run, calls[kind])
+                graphs.stage = _recording(graphs.stage, calls[kind])
         out = llm.generate(prompts, params)
         results[static] = [[(c.token_ids, [lp.logprob for lp in c.logprobs or []], c.finish_reason)
                             for c in r.outputs] for r in out]

@@ -18,8 +18,9 @@ SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength
 PROMPTS = ["The weather today is", "Once upon a time", "A list of numbers:", "JSON follows"]
 
 
-def json_params(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=80, structured=StructuredOutput(json=json.dumps(SCHEMA)), **kw)
+def json_params(max_tokens: int = 80, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=StructuredOutput(json=json.dumps(SCHEMA)),
+                          **kw)
 
 
 def run(llm: LLM, prompts, params) -> list[list[int]]:
@@ -47,7 +48,7 @@ def test_mixed_batch_unconstrained_rows_unchanged(llm, reference, async_scheduli
     params = [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS)
     structured, started = llm.engine.structured, []
     real_start = structured.start_fill
-    structured.start_fill = lambda requests: started.append(1) or real_start(requests)
+    structured.start_fill = lambda *args: started.append(1) or real_start(*args)
     try:
         out = run(llm, prompts, params)
     finally:
@@ -129,6 +130,75 @@ def test_an_id_reused_while_the_aborted_requests_grammar_compiles(llm):
         eng.structured.compile = compile_
     finished = [o.finish_reason for o in outs if o.finish_reason is not None]
     assert finished == [FinishReason.ABORT, FinishReason.STOP] or finished == [FinishReason.ABORT, FinishReason.LENGTH]
+    assert eng.scheduler.stats().num_blocks_used == 0
+
+
+def _log_calls(obj, name: str, log: list) -> None:
+    real = getattr(obj, name)
+
+    def logged(*args, **kwargs):
+        log.append(name)
+        return real(*args, **kwargs)
+    setattr(obj, name, logged)
+
+
+def test_pipelined_steps_prepare_the_next_step_before_sampling(tiny_model_dir, reference):
+    """Async scheduling through the decode graphs' staging (no capture, on the CPU): a constrained step is
+    sampled only after the step behind it is scheduled and its inputs staged, the matchers consume each
+    token in the mask thread, and the outputs are those of the synchronous run, constrained and free."""
+    _, free, constrained = reference
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, async_scheduling=True, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.decode_graphs = runner.make_graphs(8, llm.engine.max_model_len, None, capture=False)
+    calls: list[str] = []
+    for name in ("prepare", "sample", "stage"):
+        _log_calls(runner.decode_graphs if name == "stage" else runner, name, calls)
+    structured, consumed = llm.engine.structured, []
+    real_start = structured.start_fill
+    structured.start_fill = lambda reqs, pairs=(): consumed.append(len(pairs)) or real_start(reqs, pairs)
+    prompts = [p for pair in zip(PROMPTS, PROMPTS) for p in pair]
+    out = run(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS))
+    assert out[0::2] == free and out[1::2] == constrained
+    order = "".join({"prepare": "p", "sample": "s", "stage": "g"}[c] for c in calls)
+    assert order.count("pgs") > 10, order  # prepared (staged in the graph's buffers), then the previous sampled
+    assert sum(consumed) >= sum(len(ids) for ids in constrained) - len(PROMPTS)  # consumed in the mask thread
+    assert llm.engine.scheduler.stats().num_blocks_used == 0
+
+
+def test_no_matcher_is_made_while_the_mask_thread_works(tiny_model_dir):
+    """The mask thread (consume, then fill) owns every matcher while it runs: a request admitted then (its
+    matcher made) would race it. Under async scheduling, with the thread slowed down, a free request runs
+    throughout and short constrained ones arrive two steps in a row, again and again (each first constrained
+    step after free ones is where a fill could outlive its step() call): no matcher was made while the thread
+    worked, and no request failed."""
+    import threading
+    import time
+
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, async_scheduling=True, max_num_seqs=8)
+    eng, tok, busy, clashes = llm.engine, llm.get_tokenizer(), threading.Event(), []
+    structured = eng.structured
+    real_job, real_new = structured._consume_and_fill, structured.new_grammar
+
+    def slow_job(*args):
+        busy.set()
+        time.sleep(0.02)
+        try:
+            return real_job(*args)
+        finally:
+            busy.clear()
+
+    structured._consume_and_fill = slow_job
+    structured.new_grammar = lambda compiled: clashes.append(busy.is_set()) or real_new(compiled)
+    eng.add_request("free", tok.encode(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True))
+    finished, added, step = {}, 0, 0
+    while eng.has_unfinished_requests():
+        if step % 6 in (2, 3) and added < 16:
+            eng.add_request(f"c{added}", tok.encode(PROMPTS[added % 4]), json_params(max_tokens=3))
+            added += 1
+        finished.update({o.request_id: o.finish_reason for o in eng.step() if o.finish_reason is not None})
+        step += 1
+    assert len(clashes) == added == 16 and not any(clashes), clashes
+    assert len(finished) == 17 and FinishReason.ERROR not in finished.values()
     assert eng.scheduler.stats().num_blocks_used == 0
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fourth session of 2026-12-05 (ran on commit b74dedc, since reverted): the pipelined constrained step (engine/engine.py _step_behind_masks, the mask
+# Fourth session of 2026-12-05: the pipelined constrained step (engine/engine.py _step_behind_masks, the mask
 # thread's 0.2 ms GIL switch interval) on the device: xgrammar's bitmask kernel against its reference, the
 # offline engine's json 0%/100% per-step sections (benchmarks/structured_step.py), then issue 15's structured
 # W-B through kvserve's server alone (vLLM's server ran beside the same load on the same machine in a/; the
