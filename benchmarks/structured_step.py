@@ -32,10 +32,11 @@ from engine.llm import LLM  # noqa: E402
 from engine.request import SamplingParams, StructuredOutput  # noqa: E402
 
 # (object path from the engine, attribute, section name): what each run times; one the engine lacks is skipped.
-SECTIONS = [("scheduler", "schedule", "schedule"), ("runner", "launch", "launch"), ("runner", "collect", "collect"),
-            ("", "_postprocess", "postprocess"), ("", "_advance_grammars", "consume"),
-            ("runner", "sample", "sample (waits for masks)"), ("runner.structured", "_fill_rows", "fill (mask thread)"),
-            ("runner.structured", "apply", "apply masks")]
+SECTIONS = [("scheduler", "schedule", "schedule"), ("runner", "prepare", "prepare"), ("runner", "enqueue", "enqueue"),
+            ("runner", "collect", "collect"), ("", "_postprocess", "postprocess"),
+            ("runner", "sample", "sample (waits for masks)"), ("runner.structured", "apply", "apply masks"),
+            ("runner.structured", "_consume_and_fill", "consume+fill (mask thread)"),
+            ("runner.structured", "_fill_rows", "fill (mask thread)")]
 
 
 def build(args) -> LLM:
