@@ -121,8 +121,9 @@ def run_variants(args, llm: LLM, loads: dict) -> dict:
             f"{k} {v:.2f}" for k, v in sorted(r["sections_ms_per_step"].items())), flush=True)
 
     record("json 0%", 0.0)
-    for name in args.variants:
-        record(f"json 100% {name}", 1.0, name)
+    for i, name in enumerate(args.variants):
+        again = args.variants[:i].count(name)
+        record(f"json 100% {name}" + (f" #{again + 1}" if again else ""), 1.0, name)
     record("json 0% again", 0.0)
     return {"variants": rows}
 

@@ -48,6 +48,9 @@ class EngineConfig:
     grammar_compile_fuel: int = 1_000_000
     # auto: xgrammar's masks for JSON schemas and regexes when it is installed, llguidance's for the rest.
     structured_outputs_backend: str = "auto"
+    # A constrained step is sampled after the step behind it is scheduled and staged, so its masks fill while
+    # the engine does that (engine.LLMEngine._step_behind_masks); False: sampled in the step() that launched it.
+    structured_outputs_pipeline: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

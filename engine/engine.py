@@ -97,7 +97,7 @@ class LLMEngine:
                                  else config.async_scheduling)
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet collected
         self._unsampled: tuple[SchedulerOutput, StepHandle] | None = None  # launched, waiting for its masks
-        self.pipeline_masks = True  # _step_behind_masks; False: a constrained step samples in the call that launched it
+        self.pipeline_masks = config.structured_outputs_pipeline  # _step_behind_masks (read every step)
         self._num_history_requests = 0  # live completions whose sampling reads every earlier token
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             self.tokenizer, self.vocab_size, self.eos_token_ids,

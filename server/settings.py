@@ -145,6 +145,9 @@ ENGINE_HELP = {
     "structured_outputs_backend": "structured outputs' masks: auto (xgrammar for JSON schemas and regexes when "
                                   "installed, llguidance otherwise and for Lark/GBNF grammars and choices), "
                                   "xgrammar (the same, xgrammar required), guidance (llguidance for all)",
+    "structured_outputs_pipeline": "structured outputs: fill a step's grammar masks while the next step is scheduled "
+                                   "and staged (async scheduling); --no-structured-outputs-pipeline samples each "
+                                   "constrained step as soon as its masks are filled",
 }
 
 SERVER_HELP = {

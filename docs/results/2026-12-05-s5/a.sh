@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Fifth session of 2026-12-05, call 1 on a machine: where a constrained step's time goes, offline, for the
+# two step loops (serial: sampled in the step() that launched it; pipelined: after the next step is
+# scheduled and staged) at CPython's default 5 ms switch interval and at 0.2 ms, alternated. The choice of
+# loop for b.sh is left in /tmp/kvserve-variants.json (the machine keeps /tmp while warm).
+# From the repository root, after staging gpu-1 and gpu-2, carrying .carry/gpu-3 and .carry/extra:
+#   bash .carry/gpu-3/stage.sh && PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages bash docs/results/2026-12-05-s5/a.sh
+set -u
+pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+nvidia-smi --query-gpu=name --format=csv,noheader; nproc
+timeout 320 python3 benchmarks/structured_step.py --out "$out/variants.json" --variants \
+  serial-0.2ms pipelined-0.2ms serial-5ms pipelined-5ms serial-0.2ms pipelined-0.2ms 2>&1 \
+  | grep -v "Loading\|Writing\|capturing\|Warning" | tail -12
+cp "$out/variants.json" /tmp/kvserve-variants.json 2>/dev/null
+true
