@@ -35,7 +35,7 @@ from engine.request import SamplingParams, StructuredOutput  # noqa: E402
 SECTIONS = [("scheduler", "schedule", "schedule"), ("runner", "prepare", "prepare"), ("runner", "enqueue", "enqueue"),
             ("runner", "collect", "collect"), ("", "_postprocess", "postprocess"),
             ("runner", "sample", "sample (waits for masks)"), ("runner.structured", "apply", "apply masks"),
-            ("runner.structured", "_consume_and_fill", "consume+fill (mask thread)"),
+            ("", "_advance_grammars", "consume"),
             ("runner.structured", "_fill_rows", "fill (mask thread)")]
 
 

@@ -110,13 +110,6 @@ class XgrGrammar:
         return "the token is outside the grammar"
 
 
-def batch_accept(matchers: list, tokens: list[int]) -> list[bool]:
-    """Each xgrammar matcher accepts its token, in one call; whether each did."""
-    import xgrammar
-
-    return xgrammar.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-
-
 class XgrCompiled:
     """A compiled xgrammar grammar: requests get matchers of their own."""
     __slots__ = ("compiled",)

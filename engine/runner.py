@@ -74,7 +74,6 @@ class StepHandle:
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # already on the host
     logits: torch.Tensor | None = None  # [n, vocab] until sampled (a step with grammar rows: engine calls sample)
     masks: Future | None = None  # its grammar masks, filling (start_masks), when started before sample()
-    refused: list[Request] = field(default_factory=list)  # matchers that refused a token, found by the fill
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -314,24 +313,19 @@ class ModelRunner:
         step's tokens are read and every matcher has consumed them (the forward already runs meanwhile)."""
         return self.structured is not None and any([r.grammar is not None for r in requests])
 
-    def start_masks(self, handle: StepHandle, consumed: list[tuple[Request, int]] = ()) -> None:
-        """Start, in the mask thread, the matchers' consumption of the previous step's tokens (`consumed`) and
-        then the fill of this launched step's grammar masks, for sample()."""
+    def start_masks(self, handle: StepHandle) -> None:
+        """Start filling a launched step's grammar masks (its rows' matchers are up to date) for sample()."""
         if handle.logits is not None and self.structured is not None:
-            handle.masks = self.structured.start_fill(handle.requests, consumed)
+            handle.masks = self.structured.start_fill(handle.requests)
 
     @torch.inference_mode()
     def sample(self, handle: StepHandle) -> None:
         """Sample a launched step's logits (grammar masks first: started by start_masks, or filled now), leaving
-        the tokens on the device. handle.refused: requests whose matcher refused a token (see start_masks)."""
+        the tokens on the device."""
         logits, handle.logits = handle.logits, None
         if self.structured is not None:
             started, handle.masks = handle.masks, None
-            if started is not None:
-                filled = started.result()
-                masks, handle.refused = filled.masks, filled.refused
-            else:
-                masks = self.structured.fill(handle.requests)
+            masks = started.result() if started is not None else self.structured.fill(handle.requests)
             if masks is not None:
                 self.structured.apply(logits, masks)
         handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammar import LRU, EosAliases, GrammarLimits, grammar_text, llg_tokenizer
-from engine.grammar_xgr import XgrCompiled, XgrCompiler, XgrGrammar, batch_accept
+from engine.grammar_xgr import XgrCompiled, XgrCompiler, XgrGrammar
 from engine.grammar_xgr import available as xgrammar_available
 from engine.request import Request, RequestError, StructuredOutput
 
@@ -48,29 +48,6 @@ class Grammar:
 class MaskBatch:
     rows: list[int]  # the rows of the step's sampled logits that are constrained
     bitmask: torch.Tensor  # [len(rows), words] int32 on the host: bit j of word w allows token 32 * w + j
-
-
-@dataclass
-class Filled:
-    """What the mask thread hands back for a step (StructuredOutputs.start_fill)."""
-    masks: MaskBatch | None
-    refused: list[Request]  # requests whose matcher refused the token it consumed before the fill
-
-
-def consume(consumed: list[tuple[Request, int]]) -> list[Request]:
-    """Each request's matcher accepts its new token; the requests whose matcher refused it. xgrammar's rows in
-    one call (less Python holding the GIL than a call per row: 0.39 ms for 256 rows, of which the engine
-    thread's Python lost ~0.4 ms, against ~0.7 ms lost to 256 calls; /tmp/gil2.py on this 2-core machine)."""
-    refused, xgr = [], []
-    for req, token in consumed:
-        if type(req.grammar) is XgrGrammar:
-            xgr.append((req, token))
-        elif not req.grammar.accept(token):
-            refused.append(req)
-    if xgr:
-        accepted = batch_accept([req.grammar.matcher for req, _ in xgr], [token for _, token in xgr])
-        refused += [req for (req, _), ok in zip(xgr, accepted) if not ok]
-    return refused
 
 
 class StructuredOutputs:
@@ -129,24 +106,21 @@ class StructuredOutputs:
         return Grammar(pristine.deep_copy(), self._aliases)
 
     # ---- masks (the runner: filled once the previous step's tokens are consumed, applied before sampling) --
-    def start_fill(self, requests: list[Request], consumed: list[tuple[Request, int]] = ()) -> Future:
-        """A future of a step's masks (MaskBatch or None) and the requests whose matcher refused its token in
-        `consumed`, both computed in the mask thread: first every (request, token) of `consumed` is accepted,
-        then the masks of `requests` are filled. The engine goes on meanwhile (detokenization, the next
-        step's scheduling and inputs); both engines release the GIL. Which rows are constrained is read now,
-        in the caller's thread."""
+    def start_fill(self, requests: list[Request]) -> Future:
+        """fill() in a thread of its own, for a step whose rows' matchers have consumed every earlier token: the
+        engine goes on meanwhile (detokenization, the next step's scheduling and inputs); both engines' fills
+        release the GIL. Which rows are constrained is read now, in the caller's thread. The matchers consume
+        tokens in the engine thread, not here: xgrammar's accept holds the GIL, and in a thread beside the busy
+        engine thread 256 of them took 4.1 ms (0.2 ms switch interval) to 99 ms (5 ms) against 0.37 ms alone
+        (2-core development machine; on an H100 host the thread's consume + fill took 4.2 ms a step against
+        a 1.3 ms fill, docs/results/2026-12-05-s5/a)."""
         if self._fills is None:
             self._fills = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
         if self.switch_interval_s is not None and sys.getswitchinterval() > self.switch_interval_s:
-            # The mask thread overlaps the engine thread only if it gets the GIL soon after asking: with
-            # CPython's default 5 ms switch interval it waited out the engine thread's whole step (a 3 ms fill
-            # beside 3 ms of Python took 6.3 ms; at 0.2 ms, 3.4 ms). Process-wide, by necessity.
+            # The mask thread's fill returns only once it gets the GIL back: with CPython's default 5 ms switch
+            # interval a 4.5 ms fill beside a busy engine thread took 10 ms, at 0.2 ms 5.4 ms. Process-wide.
             sys.setswitchinterval(self.switch_interval_s)
-        return self._fills.submit(self._consume_and_fill, list(consumed), *self._constrained_rows(requests))
-
-    def _consume_and_fill(self, consumed: list[tuple[Request, int]], rows, xgr, llg) -> Filled:
-        refused = consume(consumed)  # first: the masks are those of the matchers after these tokens
-        return Filled(self._fill_rows(rows, xgr, llg), refused)
+        return self._fills.submit(self._fill_rows, *self._constrained_rows(requests))
 
     def fill(self, requests: list[Request]) -> MaskBatch | None:
         """The bitmasks of the rows under a grammar: xgrammar's rows by its batch fill, llguidance's by its
