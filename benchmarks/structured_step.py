@@ -85,24 +85,33 @@ def timed_run(llm: LLM, prompts, params) -> dict:
 
 
 def variant(llm: LLM, name: str):
-    """Set the constrained step's two switches for one run; returns the undo. `name` is "<loop>-<interval>":
+    """Set the constrained step's switches for one run; returns the undo. `name` is "<loop>-<interval>[-t<N>]":
     loop `serial` (a constrained step samples in the call that launched it) or `pipelined` (the step after it
     is scheduled and staged first: engine._step_behind_masks); interval `5ms` (CPython's default) or `0.2ms`
     (the mask thread gets the GIL back sooner: on the 2-core development machine a 3 ms xgrammar fill in a
-    thread beside 3 ms of Python took 6.3 ms at 5 ms and 3.4 ms at 0.2 ms). `as-built`: the defaults."""
+    thread beside 3 ms of Python took 6.3 ms at 5 ms and 3.4 ms at 0.2 ms); tN: xgrammar's batch fill on N
+    threads (its default: half the host's hardware threads). `as-built`: the defaults."""
     engine, before = llm.engine, sys.getswitchinterval()
     structured, pipelined, interval = engine.structured, engine.pipeline_masks, engine.structured.switch_interval_s
+    batch = structured._xgr.batch if structured._xgr is not None else None
     if name != "as-built":
-        loop, _, ms = name.partition("-")
-        if loop not in ("serial", "pipelined") or ms not in ("5ms", "0.2ms"):
-            raise ValueError(f"unknown variant {name!r}: as-built, or serial|pipelined-5ms|0.2ms")
+        loop, ms, *threads = name.split("-")
+        if loop not in ("serial", "pipelined") or ms not in ("5ms", "0.2ms") or threads and (
+                len(threads) > 1 or not threads[0][1:].isdigit() or batch is None):
+            raise ValueError(f"unknown variant {name!r}: as-built, or serial|pipelined-5ms|0.2ms[-tN] (tN: xgrammar)")
         engine.pipeline_masks = loop == "pipelined"
         structured.switch_interval_s = None if ms == "5ms" else 0.0002
         sys.setswitchinterval(0.005 if ms == "5ms" else 0.0002)
+        if threads:
+            import xgrammar
+
+            structured._xgr.batch = xgrammar.BatchGrammarMatcher(int(threads[0][1:]))
 
     def undo() -> None:
         engine.pipeline_masks, structured.switch_interval_s = pipelined, interval
         sys.setswitchinterval(before)
+        if batch is not None:
+            structured._xgr.batch = batch
     return undo
 
 
