@@ -16,6 +16,7 @@ constraint with llguidance either way, so what is refused, and how, does not dep
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -44,8 +45,17 @@ _EBNF_PIECE = re.compile(r'"(?:\\.|[^"\\])*"|\[\^((?:\\.|[^\]\\])*)\]')  # a str
 NAMED_CHILDREN = frozenset({"properties", "$defs", "definitions"})  # their keys are names, not keywords
 
 
+@functools.cache
 def available() -> bool:
-    return importlib.util.find_spec("xgrammar") is not None
+    """Whether xgrammar imports. Found is not enough: on the GPU host without pydantic it was found, failed to
+    import in the compile thread, and every JSON-schema request failed (structured_step.py, 2026-12-05)."""
+    try:
+        import xgrammar  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means llguidance does the work
+        if importlib.util.find_spec("xgrammar") is not None:
+            logger.warning("xgrammar is installed but does not import (%s): llguidance fills every mask", exc)
+        return False
+    return True
 
 
 def json_supported(schema) -> bool:

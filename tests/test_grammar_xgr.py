@@ -222,3 +222,24 @@ def test_no_surrogate_bytes_inside_strings(xgr, tok, constraint):
     assert grammar.accept(bytes_[0]) and not grammar.accept(bytes_[1])
     valid = xgr.new_grammar(xgr.compile(constraint))
     assert all(valid.accept(t) for t in head + tok.convert_tokens_to_ids(["í", "Ĺ", "¿"]))
+
+
+def test_an_xgrammar_that_does_not_import_leaves_every_mask_to_llguidance(tok, monkeypatch):
+    """Found but not importable (the GPU host without pydantic): auto uses llguidance, and a JSON schema
+    compiles and constrains as before, instead of failing every request in the compile thread."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    grammar_xgr.available.cache_clear()
+    try:
+        assert not grammar_xgr.available()
+        so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id], backend="auto")
+        assert not so.use_xgrammar
+        grammar = so.new_grammar(so.compile(StructuredOutput(json=json.dumps(SCHEMAS["object"]))))
+        assert type(grammar) is Grammar
+        assert all(grammar.accept(t) for t in tok.encode('{"name":"ab","age":7}', add_special_tokens=False))
+        so.shutdown()
+    finally:
+        monkeypatch.undo()
+        grammar_xgr.available.cache_clear()
+    assert grammar_xgr.available()
