@@ -77,6 +77,40 @@ def test_preemption_and_prefix_cache_keep_grammar_state(tiny_model_dir, llm, ref
     assert again.outputs[0].finish_reason == "stop"
 
 
+def test_pipelined_steps_under_preemption_n2_and_aborts(tiny_model_dir, reference):
+    """The pipelined loop (async scheduling through the decode graphs' staging) with a pool too small for its
+    batch: constrained requests preempt each other and recompute, beside free ones, a sampled n=2 and an
+    abort mid-stream. Greedy outputs equal the synchronous, roomy run; the n=2 ones parse; nothing leaks."""
+    _, free, constrained = reference
+    small = LLM(str(tiny_model_dir("llama")), num_kv_blocks=8, max_num_seqs=6, async_scheduling=True)
+    runner = small.engine.runner
+    runner.decode_graphs = runner.make_graphs(6, small.engine.max_model_len, None, capture=False)
+    eng, tok = small.engine, small.get_tokenizer()
+    for i, prompt in enumerate(PROMPTS):
+        eng.add_request(f"c{i}", tok.encode(prompt), json_params())
+        eng.add_request(f"f{i}", tok.encode(prompt), SamplingParams(temperature=0.0, max_tokens=24))
+    eng.add_request("n2", tok.encode(PROMPTS[1]), SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=80,
+                                                                structured=StructuredOutput(json=json.dumps(SCHEMA))))
+    eng.add_request("gone", tok.encode(PROMPTS[2]), json_params())
+    ids, reasons, steps = {}, {}, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            ids.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                reasons[(o.request_id, o.index)] = o.finish_reason
+        steps += 1
+        if steps == 6:
+            eng.abort_request("gone")
+    assert eng.stats().scheduler.num_preemptions > 0
+    assert [ids[(f"c{i}", 0)] for i in range(4)] == constrained
+    assert [ids[(f"f{i}", 0)] for i in range(4)] == free
+    assert reasons[("gone", 0)] == FinishReason.ABORT and FinishReason.ERROR not in reasons.values()
+    for index in (0, 1):
+        assert reasons[("n2", index)] == FinishReason.STOP
+        jsonschema.validate(json.loads(tok.decode(ids[("n2", index)], skip_special_tokens=True)), SCHEMA)
+    assert eng.scheduler.stats().num_blocks_used == 0
+
+
 def test_n3_sampled_and_abort_while_compiling(llm):
     tok = llm.get_tokenizer()
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=80,
