@@ -253,49 +253,41 @@ class LLMEngine:
     def _launch(self, sched_out: SchedulerOutput, outputs: list[StepOutput]
                 ) -> tuple[SchedulerOutput, StepHandle] | None:
         """runner.launch (prepare and enqueue in one call: what the profiling scripts time as "launch")."""
-        if sched_out.is_empty:
+        if not self._count_step(sched_out):
             return None
-        self._steps += 1
-        self._idle_checked = False
-        try:
-            return sched_out, self.runner.launch(sched_out)
-        except Exception as exc:  # a failed step fails its requests, not the engine
-            logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
-            outputs += self._fail_step(sched_out, exc)
-            return None
+        return self._guarded(sched_out, outputs, lambda: (sched_out, self.runner.launch(sched_out)))
 
     def _prepare(self, sched_out: SchedulerOutput, outputs: list[StepOutput]) -> PreparedStep | None:
-        if sched_out.is_empty:
+        if not self._count_step(sched_out):
             return None
-        self._steps += 1
-        self._idle_checked = False
-        try:
-            return self.runner.prepare(sched_out)
-        except Exception as exc:  # a failed step fails its requests, not the engine
-            logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
-            outputs += self._fail_step(sched_out, exc)
-            return None
+        return self._guarded(sched_out, outputs, lambda: self.runner.prepare(sched_out))
 
     def _enqueue(self, sched_out: SchedulerOutput, prepared: PreparedStep, outputs: list[StepOutput]
                  ) -> tuple[SchedulerOutput, StepHandle] | None:
-        try:
-            return sched_out, self.runner.enqueue(prepared)
-        except Exception as exc:
-            logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
-            outputs += self._fail_step(sched_out, exc)
-            return None
+        return self._guarded(sched_out, outputs, lambda: (sched_out, self.runner.enqueue(prepared)))
 
     def _sample(self, launched: tuple[SchedulerOutput, StepHandle], outputs: list[StepOutput]
                 ) -> tuple[SchedulerOutput, StepHandle] | None:
         """Sample a step whose rows waited for grammar masks."""
         sched_out, handle = launched
+        return self._guarded(sched_out, outputs, lambda: self.runner.sample(handle) or launched, "sampling")
+
+    def _count_step(self, sched_out: SchedulerOutput) -> bool:
+        """Whether there is a step to run; one that runs is counted and makes the engine busy."""
+        if sched_out.is_empty:
+            return False
+        self._steps += 1
+        self._idle_checked = False
+        return True
+
+    def _guarded(self, sched_out: SchedulerOutput, outputs: list[StepOutput], call, what: str = "model step"):
+        """call(), or None: a failure fails the step's requests (their outputs join `outputs`), not the engine."""
         try:
-            self.runner.sample(handle)
+            return call()
         except Exception as exc:
-            logger.exception("sampling failed; failing its %d requests", len(sched_out.scheduled))
+            logger.exception("%s failed; failing its %d requests", what, len(sched_out.scheduled))
             outputs += self._fail_step(sched_out, exc)
             return None
-        return launched
 
     def _idle_check(self, outputs: list[StepOutput]) -> list[StepOutput]:
         if self._inflight is None and self._unsampled is None and not self._completions:
