@@ -13,4 +13,8 @@ timeout 320 python3 benchmarks/structured_step.py --out "$out/variants.json" --v
   ${VARIANTS:-pipelined-0.2ms serial-0.2ms pipelined-0.2ms} 2>&1 \
   | grep -v "Loading\|Writing\|capturing\|Warning" | tail -12
 cp "$out/variants.json" /tmp/kvserve-variants.json 2>/dev/null
+# The grammar-process lever on this host's 16 cores (~20 s): the engine thread's grammar work and wait per
+# step, in-process against a process of its own (benchmarks/grammar_process.py).
+timeout 90 python3 benchmarks/grammar_process.py --batch 256 --steps 40 --window-ms 2.5 \
+  --out "$out/grammar_process.json" 2>&1 | grep -v Warning | tail -3
 true
