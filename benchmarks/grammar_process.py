@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 
@@ -53,7 +54,7 @@ def setup(batch: int, steps: int):
     import xgrammar
 
     from bench.structured_mix import SCHEMA
-    from benchmarks.grammar_engines import load_tokenizer
+    from benchmarks.grammar_engines import load_tokenizer, rows_at_positions
     from engine.grammar_xgr import json_ebnf
 
     tok, vocab = load_tokenizer("wb-bpe")
@@ -62,12 +63,8 @@ def setup(batch: int, steps: int):
     doc = tok.encode(json.dumps(DOC, separators=(",", ":")), add_special_tokens=False)
     if len(doc) <= steps:
         raise SystemExit(f"--steps must stay below the document's {len(doc)} tokens")
-    matchers = []
-    for i in range(batch):
-        m = xgrammar.GrammarMatcher(compiled)
-        for t in doc[:i % (len(doc) - steps)]:
-            m.accept_token(t)
-        matchers.append(m)
+    rows = SimpleNamespace(matcher=xgrammar.GrammarMatcher, accept=lambda m, t: m.accept_token(t))
+    matchers = rows_at_positions(rows, compiled, doc[:len(doc) - steps], batch)  # room for `steps` more tokens
     return matchers, doc, xgrammar.BatchGrammarMatcher(), (vocab + 31) // 32
 
 
