@@ -51,6 +51,9 @@ class EngineConfig:
     # A constrained step is sampled after the step behind it is scheduled and staged, so its masks fill while
     # the engine does that (engine.LLMEngine._step_behind_masks); False: sampled in the step() that launched it.
     structured_outputs_pipeline: bool = True
+    # The matchers in a grammar process of their own (engine/grammar_worker.py), off the engine's GIL.
+    # None: on CUDA only (on a 2-core machine the process shares the cores the engine needs).
+    structured_outputs_process: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -66,7 +66,7 @@ class StructuredOutputs:
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
         self._fills: ThreadPoolExecutor | None = None  # start_fill's thread, made on first use
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
-        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._masking = Masking()
         self.switch_interval_s: float | None = MASK_SWITCH_INTERVAL_S  # None: the interpreter's is kept
 
     # ---- compiling (engine thread submits, one helper thread compiles) ---------------------------------
@@ -142,13 +142,17 @@ class StructuredOutputs:
         if not rows:
             return None
         bitmask = torch.empty(len(rows), self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        self.fill_into(bitmask, xgr, llg)
+        return MaskBatch(rows, bitmask)
+
+    def fill_into(self, bitmask: torch.Tensor, xgr: list, llg: list) -> None:
+        """Fill the rows named by xgrammar's and llguidance's (matcher, row) pairs; other rows are left alone."""
         if xgr:
             self._xgr.fill(xgr, bitmask)
         if llg:
             self._fill_llg(llg, bitmask)
         if self._aliases is not None:
             _allow_like(bitmask, self._aliases)
-        return MaskBatch(rows, bitmask)
 
     def _fill_llg(self, rows: list, bitmask: torch.Tensor) -> None:
         if self._executor is None:
@@ -156,6 +160,23 @@ class StructuredOutputs:
 
             self._executor = llguidance.LLExecutor()
         self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
+
+    def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
+        self._masking.apply(logits, batch)
+
+    def shutdown(self) -> None:
+        self._compiles.shutdown(wait=False, cancel_futures=True)
+        if self._fills is not None:
+            self._fills.shutdown(wait=False, cancel_futures=True)
+        if self._xgr is not None:
+            self._xgr.shutdown()
+
+
+class Masking:
+    """Applies a step's bitmasks to its logits (the bit positions kept on each device)."""
+
+    def __init__(self) -> None:
+        self._shifts: dict[torch.device, torch.Tensor] = {}
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
@@ -174,13 +195,6 @@ class StructuredOutputs:
         if shift is None:
             shift = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
         return shift
-
-    def shutdown(self) -> None:
-        self._compiles.shutdown(wait=False, cancel_futures=True)
-        if self._fills is not None:
-            self._fills.shutdown(wait=False, cancel_futures=True)
-        if self._xgr is not None:
-            self._xgr.shutdown()
 
 
 def _allow_like(bitmask: torch.Tensor, aliases: EosAliases) -> None:

@@ -148,6 +148,8 @@ ENGINE_HELP = {
     "structured_outputs_pipeline": "structured outputs: fill a step's grammar masks while the next step is scheduled "
                                    "and staged (async scheduling); --no-structured-outputs-pipeline samples each "
                                    "constrained step as soon as its masks are filled",
+    "structured_outputs_process": "structured outputs: keep the grammar matchers in a process of their own, off the "
+                                  "engine's GIL (default: on with a GPU)",
 }
 
 SERVER_HELP = {

@@ -1,0 +1,306 @@
+"""Structured outputs with the matchers in a grammar process of their own (engine/grammar_worker.py says why).
+
+GrammarLink has StructuredOutputs' interface for the engine (compile, new_grammar, start_fill, fill, apply,
+shutdown); a completion's grammar is a RemoteGrammar, a number the worker knows. Its accept() only records the
+token: the worker consumes it with the next Step, and a token the matcher refuses comes back in that Step's
+Filled (RemoteGrammar.broken), so the request fails at its next token (the row was sampled under an
+allow-everything mask meanwhile; a bypassed mask is the only way to get there). A matcher is dropped when its
+RemoteGrammar is collected (the request finished, or its grammar ended).
+
+If the worker dies, the masks of the step in flight allow everything, every live grammar is broken (its
+request fails with an error at its next token), compiles in flight fail, and a new worker is started; the
+engine and its unconstrained requests go on.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+
+import msgspec
+import torch
+import zmq
+
+from engine.grammar import LRU, GrammarLimits
+from engine.grammar_messages import Compile, Compiled, Filled, NewMatcher, Ready, Step
+from engine.grammar_worker import MASK_BUFFERS, WorkerSpec, mask_buffers
+from engine.request import Request, RequestError, StructuredOutput
+from engine.structured import CACHE_SIZE, Masking, MaskBatch
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 200  # how often a wait for the worker checks that it still lives
+READY_TIMEOUT_S = 120.0  # a worker that has not started by then (importing torch, the tokenizer) is given up
+LOST = "the grammar process exited; the request's grammar state is lost"
+
+
+class GrammarProcessError(RuntimeError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RemoteGrammar:
+    """One completion's grammar, held by the worker under `gid`."""
+    __slots__ = ("gid", "link", "broken")
+
+    def __init__(self, gid: int, link: GrammarLink) -> None:
+        self.gid, self.link, self.broken = gid, link, None
+
+    def accept(self, token: int) -> bool:
+        """Recorded for the next Step; False once the worker said this grammar is broken."""
+        self.link.accept_gids.append(self.gid)
+        self.link.accept_tokens.append(token)
+        return self.broken is None
+
+    def error(self) -> str | None:
+        return self.broken
+
+    def __del__(self) -> None:
+        self.link.dropped.append(self.gid)  # a deque: safe whenever the collector runs this
+
+
+class PendingMasks:
+    """A Step sent to the worker; result() waits for its Filled."""
+    __slots__ = ("link", "worker", "rows", "grammars", "buffer")
+
+    def __init__(self, link: GrammarLink, worker: _Worker, rows: list[int], grammars: list, buffer: int) -> None:
+        self.link, self.worker, self.rows, self.grammars, self.buffer = link, worker, rows, grammars, buffer
+
+    def result(self) -> MaskBatch:
+        return self.link._collect(self)
+
+
+class _Worker:
+    """One grammar process: its sockets, and the futures of its compiles in flight (resolved by a thread)."""
+
+    def __init__(self, spec: bytes, mask_fd: int) -> None:
+        self.context = zmq.Context()
+        self.step = self.context.socket(zmq.PAIR)
+        self.compile_sock = self.context.socket(zmq.PUSH)
+        reply = self.context.socket(zmq.PULL)
+        addrs = [f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}"
+                 for s in (self.step, self.compile_sock, reply)]
+        with tempfile.NamedTemporaryFile(prefix="kvserve-grammar-", suffix=".pkl", delete=False) as f:
+            f.write(spec)
+        self.spec_file = f.name
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_worker", f.name, *addrs, str(mask_fd)],
+                                     pass_fds=(mask_fd,), env=_worker_env())
+        self.compiles: dict[int, tuple[Future, StructuredOutput]] = {}  # Compile.key -> (future, constraint)
+        self.lost = False
+        self.thread = threading.Thread(target=self._resolve_compiles, args=(reply,), daemon=True,
+                                       name="kvserve-grammar-replies")
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return not self.lost and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> str | None:
+        """None once the worker is ready, else why not."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.step.poll(POLL_MS):
+                if not self.alive() or time.monotonic() > deadline:
+                    return f"no grammar process (exit code {self.proc.poll()})"
+            return msgspec.msgpack.decode(self.step.recv(), type=Ready).error
+        finally:
+            os.unlink(self.spec_file)
+
+    def _resolve_compiles(self, reply: zmq.Socket) -> None:
+        """The reply thread: each Compiled resolves its future (with the constraint, which new_grammar sends on),
+        until the worker is gone; then what is left fails."""
+        decoder = msgspec.msgpack.Decoder(Compiled)
+        with reply:
+            while self.alive():
+                if reply.poll(POLL_MS):
+                    _resolve(decoder.decode(reply.recv()), self.compiles)
+        self.lost = True
+        for key in list(self.compiles):
+            future, _ = self.compiles.pop(key)
+            future.set_exception(GrammarProcessError(LOST))
+
+    def stop(self) -> None:
+        self.lost = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.thread.join(timeout=5)
+        self.step.close(linger=0)
+        self.compile_sock.close(linger=0)
+        self.context.term()
+
+
+def _resolve(msg: Compiled, compiles: dict[int, tuple[Future, StructuredOutput]]) -> None:
+    future, constraint = compiles.pop(msg.key, (None, None))
+    if future is None:
+        return
+    if msg.error is None:
+        future.set_result(constraint)
+    elif msg.code is not None:
+        future.set_exception(RequestError(msg.error, msg.code, msg.param))
+    else:
+        future.set_exception(GrammarProcessError(msg.error))
+
+
+def _worker_env() -> dict[str, str]:
+    """The engine's environment, with this checkout importable and no GPU (the worker maps host memory only)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+class GrammarLink:
+    """StructuredOutputs' interface for the engine, the matchers in a grammar process."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits, backend: str,
+                 max_rows: int) -> None:
+        from engine.grammar_xgr import available as xgrammar_available
+
+        self.use_xgrammar = backend == "xgrammar" or backend == "auto" and xgrammar_available()
+        self.words, self.rows = (vocab_size + 31) // 32, max_rows
+        self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows))
+        self._mask_file = tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.ftruncate(self._mask_file.fileno(), MASK_BUFFERS * max_rows * self.words * 4)
+        self.masks = mask_buffers(self._mask_file.fileno(), max_rows, self.words)
+        self._pinned = _pin(self.masks)
+        self._masking = Masking()
+        self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[StructuredOutput], compiled in the worker
+        self._keys, self._gids = itertools.count(), itertools.count()
+        self.new: list[NewMatcher] = []
+        self.accept_gids: list[int] = []
+        self.accept_tokens: list[int] = []
+        self.dropped: deque[int] = deque()
+        self._buffer = 0
+        self._outstanding: PendingMasks | None = None
+        self.live = 0  # matchers the worker holds, as of its last Filled
+        self._encoder = msgspec.msgpack.Encoder()
+        self._filled = msgspec.msgpack.Decoder(Filled)
+        self.worker = _Worker(self._spec, self._mask_file.fileno())
+        self._procs = [self.worker.proc]  # every worker started, killed when the link is collected or at exit
+        weakref.finalize(self, _kill, self._procs)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str | None:
+        """None once the worker is ready, else why not (the engine then fills masks in its own process)."""
+        return self.worker.wait_ready(timeout_s)
+
+    # ---- compiling -------------------------------------------------------------------------------
+    def compile(self, so: StructuredOutput) -> Future:
+        """A future of the constraint, resolved once the worker has compiled it."""
+        self._check_worker()
+        key = so.key()
+        future = self._cache.get(key)
+        if future is None:
+            future, n = Future(), next(self._keys)
+            self.worker.compiles[n] = (future, so)
+            self._cache.put(key, future)
+            self.worker.compile_sock.send(self._encoder.encode(Compile(n, so)))
+        return future
+
+    def new_grammar(self, compiled: Future) -> RemoteGrammar:
+        grammar = RemoteGrammar(next(self._gids), self)
+        self.new.append(NewMatcher(grammar.gid, compiled.result()))
+        return grammar
+
+    # ---- masks -----------------------------------------------------------------------------------
+    def start_fill(self, requests: list[Request]) -> PendingMasks | None:
+        """Send the tokens consumed since the last Step, the new and dropped matchers, and the rows to fill."""
+        self._check_worker()
+        if self._outstanding is not None:  # its step failed before sampling: read its answer, use nothing
+            self._outstanding.result()
+        rows, gids, grammars = [], [], []
+        for i, r in enumerate(requests):
+            grammar = r.grammar
+            if grammar is not None:
+                rows.append(i)
+                gids.append(grammar.gid)
+                grammars.append(grammar)
+        if not rows:
+            return None
+        if len(rows) > self.rows:
+            raise RuntimeError(f"{len(rows)} constrained rows in a step; the masks hold {self.rows} (max_num_seqs)")
+        dropped = self.dropped
+        step = Step(self.new, self.accept_gids, self.accept_tokens, [dropped.popleft() for _ in range(len(dropped))],
+                    gids, self._buffer)
+        self.new, self.accept_gids, self.accept_tokens = [], [], []
+        self.worker.step.send(self._encoder.encode(step))
+        self._outstanding = PendingMasks(self, self.worker, rows, grammars, self._buffer)
+        self._buffer = (self._buffer + 1) % MASK_BUFFERS
+        return self._outstanding
+
+    def fill(self, requests: list[Request]) -> MaskBatch | None:
+        pending = self.start_fill(requests)
+        return None if pending is None else pending.result()
+
+    def _collect(self, pending: PendingMasks) -> MaskBatch:
+        """Wait for the worker's Filled; a broken grammar learns why. A lost worker: every row allows all."""
+        self._outstanding = None
+        rows = self.masks[pending.buffer, :len(pending.rows)]
+        worker = pending.worker
+        while worker is self.worker and not worker.step.poll(POLL_MS):
+            if not worker.alive():
+                break
+        if worker is not self.worker or not worker.alive() and not worker.step.poll(0):
+            rows.fill_(-1)
+            for grammar in pending.grammars:
+                grammar.broken = LOST
+            return MaskBatch(pending.rows, rows)
+        filled = self._filled.decode(worker.step.recv())
+        by_gid = {g.gid: g for g in pending.grammars} if filled.broken else None
+        for gid, why in zip(filled.broken, filled.why):
+            by_gid[gid].broken = why
+        self.live = filled.live
+        return MaskBatch(pending.rows, rows)
+
+    def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
+        self._masking.apply(logits, batch)
+
+    # ---- the worker's life -----------------------------------------------------------------------
+    def _check_worker(self) -> None:
+        """A lost worker is replaced: what it held is gone (those grammars are unknown to the new one)."""
+        if self.worker.alive():
+            return
+        logger.error("the grammar process exited (code %s): starting another", self.worker.proc.poll())
+        self.worker.stop()
+        self._cache = LRU(CACHE_SIZE)
+        self.new, self.accept_gids, self.accept_tokens, self._outstanding = [], [], [], None
+        self.dropped.clear()
+        self.worker = _Worker(self._spec, self._mask_file.fileno())
+        self._procs.append(self.worker.proc)
+        error = self.worker.wait_ready(READY_TIMEOUT_S)
+        if error is not None:
+            logger.error("the new grammar process did not start: %s", error)
+
+    def shutdown(self) -> None:
+        self.worker.stop()
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
+        self._mask_file.close()
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _pin(masks: torch.Tensor) -> bool:
+    """Page-lock the shared masks on CUDA hosts, so their copy to the device runs asynchronously."""
+    if not torch.cuda.is_available():
+        return False
+    nbytes = masks.numel() * masks.element_size()
+    code = torch.cuda.cudart().cudaHostRegister(masks.data_ptr(), nbytes, 0)
+    if code != 0:
+        logger.warning("could not page-lock the grammar masks (cudaHostRegister: %s): their copies wait", code)
+    return code == 0

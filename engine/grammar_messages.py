@@ -1,0 +1,65 @@
+"""The messages between the engine and its grammar process (engine/grammar_link.py, engine/grammar_worker.py):
+small typed structs, msgpack on the wire (msgspec), dispatched by type. No torch here.
+
+Engine -> worker, step socket (the engine thread, one Step in flight at a time):
+  Init once (what the worker builds its StructuredOutputs from, pickled), then Step per constrained step.
+Worker -> engine, step socket: Ready once, then Filled per Step.
+Engine -> worker, compile socket: Compile. Worker -> engine, reply socket: Compiled (the engine's receiver
+thread resolves the constraint's future).
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from engine.request import StructuredOutput
+
+
+class Init(msgspec.Struct, tag=True, array_like=True):
+    state: bytes  # pickle of engine.grammar_worker.WorkerSpec
+    mask_path: str  # the shared bitmask file: [MASK_BUFFERS, rows, words] int32
+    rows: int
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    error: str | None = None  # the worker could not start
+
+
+class Compile(msgspec.Struct, tag=True, array_like=True):
+    key: int  # the engine's number for this constraint
+    constraint: StructuredOutput
+
+
+class Compiled(msgspec.Struct, tag=True, array_like=True):
+    key: int
+    error: str | None = None  # engine.request.RequestError's message, when it failed
+    code: str | None = None
+    param: str | None = None
+
+
+class NewMatcher(msgspec.Struct, array_like=True, gc=False):
+    gid: int  # the engine's number for one completion's grammar, never reused
+    constraint: StructuredOutput  # compiled already (a Compile came first): the worker's cache has it
+
+
+class Step(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Applied in this order: new matchers, tokens consumed, matchers dropped, then the masks filled."""
+    new: list[NewMatcher]
+    accept_gids: list[int]  # each of these matchers consumes the token at the same index of accept_tokens
+    accept_tokens: list[int]
+    drop: list[int]
+    fill: list[int]  # row i of the buffer gets the mask of matcher fill[i]
+    buffer: int
+
+
+class Filled(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The buffer's rows are written. `broken`: matchers that refused a token or are unknown (their rows allow
+    every token), with why; `live`: matchers the worker holds (tests check that none leak)."""
+    broken: list[int]
+    why: list[str]
+    live: int
+
+
+ToWorker = Union[Init, Step]
+FromWorker = Union[Ready, Filled]

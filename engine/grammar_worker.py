@@ -1,0 +1,168 @@
+"""The grammar process: the matchers of structured outputs, away from the engine's GIL.
+
+    python -m engine.grammar_worker SPEC_FILE STEP_ADDR COMPILE_ADDR REPLY_ADDR MASK_FD   (started by GrammarLink)
+
+Why a process: in the engine's process a matcher's consume (xgrammar's accept holds the GIL) runs on the
+engine thread, ~0.5-0.7 ms of a ~4.4-5.3 ms step at 256 rows, and the batch fill in a thread took 3.7-6.4 ms
+beside the busy engine thread against ~2 ms alone (H100 host, docs/results/2026-12-05-s6). Here both run on
+a GIL of their own: per constrained step the engine only sends the tokens it read and the rows to fill
+(engine/grammar_messages.py Step) and reads the Filled answer once the bitmask (shared memory) is written.
+
+The worker holds an in-process StructuredOutputs (compiling, its LRU cache, both grammar engines' fills).
+Its main thread answers Steps; a second thread answers Compiles. It exits when its engine is gone.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from engine.grammar import GrammarLimits
+from engine.grammar_messages import Compile, Compiled, Filled, NewMatcher, Ready, Step
+from engine.request import RequestError
+
+PARENT_CHECK_MS = 1000  # how often an idle worker checks that its engine still lives
+MASK_BUFFERS = 2  # the engine alternates them, so a buffer is not rewritten while its copy to the device runs
+UNKNOWN = "the grammar process holds no grammar for this request (it was restarted)"
+
+
+@dataclass
+class WorkerSpec:
+    """What the worker builds its StructuredOutputs from (pickled into SPEC_FILE by the engine)."""
+    hf_tokenizer: object
+    vocab_size: int
+    eos_ids: list[int]
+    limits: GrammarLimits
+    backend: str
+    rows: int  # rows of each mask buffer: the engine's max_num_seqs
+
+
+def mask_buffers(fd: int, rows: int, words: int):
+    """The shared bitmask, [MASK_BUFFERS, rows, words] int32, mapped from the file behind `fd`."""
+    import torch
+
+    count = MASK_BUFFERS * rows * words
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=count, dtype=torch.int32).view(
+        MASK_BUFFERS, rows, words)
+
+
+class Worker:
+    """The matchers by the engine's grammar id; those that refused a token stay, marked broken, until dropped."""
+
+    def __init__(self, spec: WorkerSpec, masks) -> None:
+        from engine.structured import StructuredOutputs
+
+        self.structured = StructuredOutputs(spec.hf_tokenizer, spec.vocab_size, spec.eos_ids, spec.limits,
+                                            spec.backend)
+        self.structured.switch_interval_s = None  # no mask thread here
+        self.masks = masks
+        self.matchers: dict[int, object] = {}
+        self.broken: dict[int, str] = {}
+        self._compile_lock = threading.Lock()  # the LRU of compiled grammars is shared by both threads
+
+    def compile(self, constraint):
+        with self._compile_lock:
+            return self.structured.compile(constraint)
+
+    def step(self, msg: Step) -> Filled:
+        for new in msg.new:
+            self._new(new)
+        self._accept(msg.accept_gids, msg.accept_tokens)
+        for gid in msg.drop:
+            self.matchers.pop(gid, None)
+            self.broken.pop(gid, None)
+        return self._fill(msg.fill, self.masks[msg.buffer])
+
+    def _new(self, new: NewMatcher) -> None:
+        try:
+            self.matchers[new.gid] = self.structured.new_grammar(self.compile(new.constraint))
+        except Exception as exc:  # noqa: BLE001 - the request fails; the worker goes on
+            self.broken[new.gid] = getattr(exc, "message", None) or f"grammar: {type(exc).__name__}"
+
+    def _accept(self, gids: list[int], tokens: list[int]) -> None:
+        matchers, broken = self.matchers, self.broken
+        for gid, token in zip(gids, tokens):
+            grammar = matchers.get(gid)
+            if grammar is not None and gid not in broken and not grammar.accept(token):
+                broken[gid] = f"the output cannot follow the request's constraint: {grammar.error()}"[:300]
+
+    def _fill(self, gids: list[int], buffer) -> Filled:
+        from engine.grammar_xgr import XgrGrammar
+
+        xgr, llg, broken, why = [], [], [], []
+        for row, gid in enumerate(gids):
+            grammar = self.matchers.get(gid)
+            if grammar is None or gid in self.broken:
+                buffer[row] = -1  # every token allowed: the engine fails the request at its next token
+                broken.append(gid)
+                why.append(self.broken.get(gid, UNKNOWN))
+            else:
+                (xgr if type(grammar) is XgrGrammar else llg).append((grammar.matcher, row))
+        if xgr or llg:
+            self.structured.fill_into(buffer[:len(gids)], xgr, llg)
+        return Filled(broken, why, len(self.matchers))
+
+
+def answer_compiles(worker: Worker, context: zmq.Context, compile_addr: str, reply_addr: str) -> None:
+    """The compile thread: each Compile is answered once its grammar is compiled (or failed)."""
+    decoder, encoder = msgspec.msgpack.Decoder(Compile), msgspec.msgpack.Encoder()
+    with context.socket(zmq.PULL) as pull, context.socket(zmq.PUSH) as push:
+        pull.connect(compile_addr)
+        push.connect(reply_addr)
+        while True:
+            msg = decoder.decode(pull.recv())
+            push.send(encoder.encode(_compiled(worker, msg)))
+
+
+def _compiled(worker: Worker, msg: Compile) -> Compiled:
+    try:
+        worker.compile(msg.constraint).result()
+    except RequestError as exc:
+        return Compiled(msg.key, exc.message, exc.code, exc.param)
+    except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails the requests
+        return Compiled(msg.key, f"grammar: {type(exc).__name__}: {exc}"[:300])
+    return Compiled(msg.key)
+
+
+def serve_steps(worker: Worker, sock: zmq.Socket, parent: int) -> None:
+    """Answer each Step with its Filled, until the engine's process is gone."""
+    decoder, encoder = msgspec.msgpack.Decoder(Step), msgspec.msgpack.Encoder()
+    while True:
+        if not sock.poll(PARENT_CHECK_MS):
+            if os.getppid() != parent:
+                return
+            continue
+        sock.send(encoder.encode(worker.step(decoder.decode(sock.recv()))))
+
+
+def main(argv: list[str]) -> None:
+    spec_file, step_addr, compile_addr, reply_addr, fd = argv
+    parent, context = os.getppid(), zmq.Context.instance()
+    sock = context.socket(zmq.PAIR)
+    sock.connect(step_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # torch only maps the masks here; xgrammar and llguidance bring their threads
+        with open(spec_file, "rb") as f:
+            spec: WorkerSpec = pickle.load(f)
+        worker = Worker(spec, mask_buffers(int(fd), spec.rows, (spec.vocab_size + 31) // 32))
+    except Exception as exc:  # noqa: BLE001 - told to the engine, which then fills masks in its own process
+        sock.send(encoder.encode(Ready(f"{type(exc).__name__}: {exc}")))
+        return
+    threading.Thread(target=answer_compiles, args=(worker, context, compile_addr, reply_addr), daemon=True,
+                     name="kvserve-grammar-compiles").start()
+    sock.send(encoder.encode(Ready()))
+    serve_steps(worker, sock, parent)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(0)  # the compile thread and the grammar engines' pools do not hold the exit

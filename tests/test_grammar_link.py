@@ -1,0 +1,138 @@
+"""Structured outputs with the matchers in a grammar process (engine/grammar_link.py, engine/grammar_worker.py):
+the same tokens as the matchers in the engine's process, whatever the scheduler does; no matcher outlives its
+request; a killed grammar process fails only the constrained requests, and the next ones are served."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import jsonschema
+import pytest
+
+from engine.grammar_link import GrammarLink
+from engine.llm import LLM
+from engine.request import SamplingParams, StructuredOutput
+from engine.structured import StructuredOutputs
+
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["word", "n"], "additionalProperties": False}
+PROMPTS = ["The weather today is", "Once upon a time", "A list of numbers:", "JSON follows"]
+
+
+def json_params(max_tokens: int = 60, **kw) -> SamplingParams:
+    kw.setdefault("temperature", 0.0)
+    return SamplingParams(max_tokens=max_tokens, structured=StructuredOutput(json=json.dumps(SCHEMA)), **kw)
+
+
+def choice_params() -> SamplingParams:  # llguidance's masks (xgrammar takes schemas and regexes only)
+    return SamplingParams(temperature=0.0, max_tokens=10, structured=StructuredOutput(choice=["yes", "no", "maybe"]))
+
+
+def run(llm: LLM, prompts, params) -> list[list[int]]:
+    return [c.token_ids for o in llm.generate(prompts, params) for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=True)
+    yield llm
+    llm.engine.structured.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir):
+    return LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=False)
+
+
+def test_the_engine_links_to_a_grammar_process(remote, local):
+    assert isinstance(remote.engine.structured, GrammarLink)
+    assert type(local.engine.structured) is StructuredOutputs
+    assert remote.engine.structured.worker.alive()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_same_tokens_as_in_process_mixed_batch(remote, local, async_scheduling):
+    """Constrained (xgrammar and llguidance) rows beside free ones: every output equals the in-process run."""
+    prompts = PROMPTS * 2
+    params = [json_params(), SamplingParams(temperature=0.0, max_tokens=20), choice_params(),
+              json_params(n=2, temperature=0.8, seed=7)] * 2
+    for llm in (remote, local):
+        llm.engine.async_scheduling = async_scheduling
+    try:
+        got, want = run(remote, prompts, params), run(local, prompts, params)
+    finally:
+        remote.engine.async_scheduling = local.engine.async_scheduling = False
+    assert got == want
+    tok = remote.get_tokenizer()
+    for ids, p in zip(got, [p for p in params for _ in range(p.n)]):
+        text = tok.decode(ids, skip_special_tokens=True)
+        if p.structured is None:
+            continue
+        if p.structured.json is not None:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert text in ("yes", "no", "maybe")
+    assert_no_matcher_left(remote)
+
+
+def assert_no_matcher_left(llm: LLM) -> None:
+    """One more constrained request after the others ended: the worker then holds its matcher alone."""
+    run(llm, PROMPTS[:1], json_params(max_tokens=3))
+    run(llm, PROMPTS[:1], json_params(max_tokens=3))  # its Step carries the drop of the one before
+    assert llm.engine.structured.live == 1
+
+
+def test_preemption_with_a_tiny_pool(tiny_model_dir, local):
+    """6 blocks of 16 tokens for 4 requests: they preempt each other, the worker's matchers keep their place."""
+    small = LLM(str(tiny_model_dir("llama")), num_kv_blocks=6, max_num_seqs=4, structured_outputs_process=True)
+    try:
+        assert run(small, PROMPTS, json_params()) == run(local, PROMPTS, json_params())
+        assert small.engine.stats().scheduler.num_preemptions > 0
+    finally:
+        small.engine.structured.shutdown()
+
+
+def test_bad_grammar_is_a_request_error(remote):
+    """A grammar the worker cannot compile fails its request with the compile error, fast; the engine goes on."""
+    bad = SamplingParams(max_tokens=4, structured=StructuredOutput(grammar="start: undefined_rule"))
+    start = time.monotonic()
+    out = remote.generate([PROMPTS[0]], bad)[0].outputs[0]
+    assert out.finish_reason == "error" and "undefined_rule" in (out.error or "")
+    assert time.monotonic() - start < 10
+    assert run(remote, PROMPTS[:1], choice_params())
+
+
+def test_killed_grammar_process_fails_only_constrained_requests(tiny_model_dir):
+    """SIGKILL the worker mid-run: the constrained requests end with an error, the free ones finish as they
+    would have, and the next constrained request is served by a new worker."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=True)
+    link = llm.engine.structured
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want_free = run(llm, PROMPTS[:2], free)
+    steps = []
+    real = link.start_fill
+
+    def kill_at_fifth(requests):
+        steps.append(1)
+        if len(steps) == 5:
+            os.kill(link.worker.proc.pid, signal.SIGKILL)
+            link.worker.proc.wait()
+        return real(requests)
+
+    link.start_fill = kill_at_fifth
+    try:
+        outs = llm.generate(PROMPTS[:2] * 2, [free, free, json_params(ignore_eos=True), json_params(ignore_eos=True)])
+    finally:
+        link.start_fill = real
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want_free
+    for o in outs[2:]:
+        assert o.outputs[0].finish_reason == "error" and "grammar process" in o.outputs[0].error
+    assert llm.engine.stats().scheduler.num_blocks_used == 0
+    tok = llm.get_tokenizer()
+    again = run(llm, PROMPTS[:1], json_params())[0]
+    jsonschema.validate(json.loads(tok.decode(again, skip_special_tokens=True)), SCHEMA)
+    assert link.worker.alive() and len(link._procs) == 2
+    link.shutdown()
