@@ -29,14 +29,17 @@ from bench.structured_mix import SCHEMA  # noqa: E402
 from bench.workloads import workload_wb  # noqa: E402
 from benchmarks.profile_step import PartTimer  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from engine.grammar import GrammarLimits  # noqa: E402
 from engine.request import SamplingParams, StructuredOutput  # noqa: E402
+from engine.structured import StructuredOutputs  # noqa: E402
 
 # (object path from the engine, attribute, section name): what each run times; one the engine lacks is skipped.
 SECTIONS = [("scheduler", "schedule", "schedule"), ("runner", "prepare", "prepare"), ("runner", "enqueue", "enqueue"),
             ("runner", "collect", "collect"), ("", "_postprocess", "postprocess"),
             ("runner", "sample", "sample (waits for masks)"), ("runner.structured", "apply", "apply masks"),
             ("", "_advance_grammars", "consume"),
-            ("runner.structured", "_fill_rows", "fill (mask thread)")]
+            ("runner.structured", "_fill_rows", "fill (mask thread)"),
+            ("runner.structured", "start_fill", "send step (grammar process)")]
 
 
 def build(args) -> LLM:
@@ -44,7 +47,8 @@ def build(args) -> LLM:
     with tempfile.TemporaryDirectory(prefix="kvserve-structured-step-") as tmp:
         model_dir = build_random_model(parse_model_config(args.model_config), Path(tmp), tokenizer="bpe")
         return LLM(str(model_dir), device=args.device, max_model_len=2048, max_num_batched_tokens=16384,
-                   max_num_seqs=args.batch, enable_prefix_caching=False)
+                   max_num_seqs=args.batch, enable_prefix_caching=False,
+                   structured_outputs_process={"auto": None, "on": True, "off": False}[args.grammar_process])
 
 
 def requests(llm: LLM, batch: int, fraction: float) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -85,36 +89,78 @@ def timed_run(llm: LLM, prompts, params) -> dict:
 
 
 def variant(llm: LLM, name: str):
-    """Set the constrained step's switches for one run; returns the undo. `name` is "<loop>-<interval>[-t<N>]":
-    loop `serial` (a constrained step samples in the call that launched it) or `pipelined` (the step after it
-    is scheduled and staged first: engine._step_behind_masks); interval `5ms` (CPython's default) or `0.2ms`
-    (the mask thread gets the GIL back sooner: on the 2-core development machine a 3 ms xgrammar fill in a
-    thread beside 3 ms of Python took 6.3 ms at 5 ms and 3.4 ms at 0.2 ms); tN: xgrammar's batch fill on N
-    threads (its default: half the host's hardware threads). `as-built`: the defaults."""
+    """Set the constrained step's switches for one run; returns the undo. `name` is
+    "<loop>-<interval>[-t<N>][-inproc]": loop `serial` (a constrained step samples in the call that launched it)
+    or `pipelined` (the step after it is scheduled and staged first: engine._step_behind_masks); interval `5ms`
+    (CPython's default) or `0.2ms` (the mask thread gets the GIL back sooner: on the 2-core development machine
+    a 3 ms xgrammar fill in a thread beside 3 ms of Python took 6.3 ms at 5 ms and 3.4 ms at 0.2 ms); tN:
+    xgrammar's batch fill on N threads (its default: half the host's hardware threads; in-process only);
+    `inproc`: the matchers in the engine's process (engine/structured.py) where the engine was built with a
+    grammar process (engine/grammar_link.py, the default on CUDA). `as-built`: the defaults."""
     engine, before = llm.engine, sys.getswitchinterval()
-    structured, pipelined, interval = engine.structured, engine.pipeline_masks, engine.structured.switch_interval_s
-    batch = structured._xgr.batch if structured._xgr is not None else None
+    pipelined, built = engine.pipeline_masks, engine.structured
     if name != "as-built":
-        loop, ms, *threads = name.split("-")
-        if loop not in ("serial", "pipelined") or ms not in ("5ms", "0.2ms") or threads and (
-                len(threads) > 1 or not threads[0][1:].isdigit()):
-            raise ValueError(f"unknown variant {name!r}: as-built, or serial|pipelined-5ms|0.2ms[-tN]")
-        if threads and batch is None:
-            raise ValueError(f"variant {name!r}: xgrammar fills no masks here (not importable: it needs pydantic)")
+        loop, ms, threads, inproc = parse_variant(name)
+        if inproc:
+            use_structured(engine, in_process(llm))
         engine.pipeline_masks = loop == "pipelined"
-        structured.switch_interval_s = None if ms == "5ms" else 0.0002
         sys.setswitchinterval(0.005 if ms == "5ms" else 0.0002)
-        if threads:
-            import xgrammar
-
-            structured._xgr.batch = xgrammar.BatchGrammarMatcher(int(threads[0][1:]))
+        structured = engine.structured
+        interval = getattr(structured, "switch_interval_s", None)
+        if hasattr(structured, "switch_interval_s"):
+            structured.switch_interval_s = None if ms == "5ms" else 0.0002
+        batch = set_fill_threads(structured, threads) if threads else None
 
     def undo() -> None:
-        engine.pipeline_masks, structured.switch_interval_s = pipelined, interval
+        engine.pipeline_masks = pipelined
         sys.setswitchinterval(before)
-        if batch is not None:
-            structured._xgr.batch = batch
+        if name != "as-built":
+            if hasattr(structured, "switch_interval_s"):
+                structured.switch_interval_s = interval
+            if batch is not None:
+                structured._xgr.batch = batch
+        use_structured(engine, built)
     return undo
+
+
+def parse_variant(name: str) -> tuple[str, str, int | None, bool]:
+    parts = name.split("-")
+    inproc = parts[-1] == "inproc"
+    parts = parts[:-1] if inproc else parts
+    threads = int(parts.pop()[1:]) if len(parts) == 3 and parts[2][:1] == "t" and parts[2][1:].isdigit() else None
+    if len(parts) != 2 or parts[0] not in ("serial", "pipelined") or parts[1] not in ("5ms", "0.2ms"):
+        raise ValueError(f"unknown variant {name!r}: as-built, or serial|pipelined-5ms|0.2ms[-tN][-inproc]")
+    return parts[0], parts[1], threads, inproc
+
+
+def set_fill_threads(structured, threads: int):
+    """xgrammar's batch fill on `threads` threads; returns the batch matcher it replaced."""
+    batch = getattr(getattr(structured, "_xgr", None), "batch", None)
+    if batch is None:
+        raise ValueError("-tN: no in-process xgrammar fills masks here (a grammar process, or no xgrammar: it "
+                         "needs pydantic)")
+    import xgrammar
+
+    structured._xgr.batch = xgrammar.BatchGrammarMatcher(threads)
+    return batch
+
+
+def in_process(llm: LLM):
+    """An in-process StructuredOutputs for this engine, made (and its grammar compiled) once."""
+    engine = llm.engine
+    if isinstance(engine.structured, StructuredOutputs):
+        return engine.structured
+    if getattr(llm, "_in_process", None) is None:
+        c = engine.config
+        llm._in_process = StructuredOutputs(engine.tokenizer, engine.vocab_size, engine.eos_token_ids,
+                                            GrammarLimits(c.grammar_max_size, c.grammar_compile_fuel),
+                                            c.structured_outputs_backend)
+        llm._in_process.compile(StructuredOutput(json=json.dumps(SCHEMA))).result()
+    return llm._in_process
+
+
+def use_structured(engine, structured) -> None:
+    engine.structured = engine.runner.structured = engine._grammars.structured = structured
 
 
 def run_variants(args, llm: LLM, loads: dict) -> dict:
@@ -155,11 +201,16 @@ def main() -> int:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--variants", nargs="*", default=[],
-                   help="json 100%% once per entry: as-built, or serial|pipelined-5ms|0.2ms")
+                   help="json 100%% once per entry: as-built, or serial|pipelined-5ms|0.2ms[-tN][-inproc]")
+    p.add_argument("--grammar-process", choices=("auto", "on", "off"), default="auto",
+                   help="the engine's matchers in a grammar process (auto: with CUDA); -inproc variants swap")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     llm = build(args)
-    print(f"masks: {'xgrammar (JSON schemas)' if llm.engine.structured.use_xgrammar else 'llguidance'}", flush=True)
+    print(f"masks: {'xgrammar (JSON schemas)' if llm.engine.structured.use_xgrammar else 'llguidance'}, "
+          f"{type(llm.engine.structured).__name__}"
+          + (f", masks page-locked: {llm.engine.structured.masks.is_pinned()}"
+             if hasattr(llm.engine.structured, "masks") else ""), flush=True)
     loads = {f: requests(llm, args.batch, f) for f in args.fractions}
     for f in args.fractions:  # warm-up: graphs, the grammar compile, every path
         llm.generate(*loads[f])

@@ -300,7 +300,7 @@ def _pin(masks: torch.Tensor) -> bool:
     if not torch.cuda.is_available():
         return False
     nbytes = masks.numel() * masks.element_size()
-    code = torch.cuda.cudart().cudaHostRegister(masks.data_ptr(), nbytes, 0)
+    code = int(torch.cuda.cudart().cudaHostRegister(masks.data_ptr(), nbytes, 0))
     if code != 0:
         logger.warning("could not page-lock the grammar masks (cudaHostRegister: %s): their copies wait", code)
     return code == 0

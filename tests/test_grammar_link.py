@@ -10,6 +10,7 @@ import time
 
 import jsonschema
 import pytest
+import torch
 
 from engine.grammar_link import GrammarLink
 from engine.llm import LLM
@@ -135,4 +136,19 @@ def test_killed_grammar_process_fails_only_constrained_requests(tiny_model_dir):
     again = run(llm, PROMPTS[:1], json_params())[0]
     jsonschema.validate(json.loads(tok.decode(again, skip_special_tokens=True)), SCHEMA)
     assert link.worker.alive() and len(link._procs) == 2
+    link.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_link_is_the_default_and_its_masks_are_page_locked(tiny_model_dir):
+    """On CUDA the engine links to a grammar process by itself; the shared masks are page-locked (their copy to
+    the device does not wait), and the outputs equal the in-process matchers' under async scheduling."""
+    path = str(tiny_model_dir("llama"))
+    linked = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256)
+    local = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, structured_outputs_process=False)
+    link = linked.engine.structured
+    assert isinstance(link, GrammarLink) and link.masks.is_pinned()
+    params = [json_params(), choice_params(), SamplingParams(temperature=0.0, max_tokens=20), json_params()]
+    assert run(linked, PROMPTS, params) == run(local, PROMPTS, params)
     link.shutdown()
