@@ -157,3 +157,52 @@ def test_on_cuda_the_link_is_the_default_and_its_masks_are_page_locked(tiny_mode
     params = [json_params(), choice_params(), SamplingParams(temperature=0.0, max_tokens=20), json_params()]
     assert run(linked, PROMPTS, params) == run(local, PROMPTS, params)
     link.shutdown()
+
+
+def test_server_survives_its_grammar_process_killed(tiny_model_dir):
+    """The real server with --structured-outputs-process: a JSON-schema chat through the official client parses;
+    SIGKILL the grammar process (a child of the engine core) while a constrained stream runs: that stream ends
+    with an error, a free request beside it completes, the next constrained request is served by a new grammar
+    process, no KV block is left used, and SIGTERM then leaves no process behind."""
+    import httpx
+    import openai
+    import psutil
+    from server_utils import parse_metrics, start, start_server_process, stop_process
+
+    proc, base = start_server_process(["--model", str(tiny_model_dir("llama")), "--device", "cpu",
+                                       "--num-kv-blocks", "128", "--structured-outputs-process",
+                                       "--log-level", "warning"])
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x")
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
+
+        def constrained(max_tokens: int = 40) -> str:
+            return client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=max_tokens,
+                                                  messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                                  response_format=fmt).choices[0].message.content
+
+        validate(constrained())
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "engine.grammar_worker" in " ".join(p.cmdline())]
+        assert len(workers) == 1
+        letters = {"prompt": "x", "max_tokens": 300, "temperature": 0, "stream": True,
+                   "structured_outputs": {"regex": "[a-z]{400}"}}  # under its mask for every token
+        stream = start(base, letters)
+        free = start(base, {"prompt": "y", "max_tokens": 300, "ignore_eos": True, "temperature": 0})
+        assert stream.first.wait(60)
+        workers[0].send_signal(signal.SIGKILL)
+        stream.join(60)
+        free.join(60)
+        assert free.response.status_code == 200
+        assert free.response.json()["choices"][0]["finish_reason"] == "length"
+        errors = [e for e in stream.events if isinstance(e, dict) and "error" in e]
+        assert errors or "error" in stream.finish_reasons, stream.events[-3:]
+        validate(constrained())
+        metrics = parse_metrics(httpx.get(base + "/metrics").text)
+        assert metrics["kvserve_kv_blocks_used"] == 0
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert stop_process(proc)[0] == 0
+        assert not [p for p in psutil.wait_procs(children, timeout=10)[1]]
+    finally:
+        if proc.poll() is None:
+            stop_process(proc, sig=signal.SIGKILL)
