@@ -71,14 +71,19 @@ class RemoteGrammar:
 
 
 class PendingMasks:
-    """A Step sent to the worker; result() waits for its Filled."""
-    __slots__ = ("link", "worker", "rows", "grammars", "buffer")
+    """A Step sent to the worker; result() waits for its Filled (once: a second call returns the same masks)."""
+    __slots__ = ("link", "worker", "rows", "grammars", "buffer", "seq", "batch")
 
-    def __init__(self, link: GrammarLink, worker: _Worker, rows: list[int], grammars: list, buffer: int) -> None:
+    def __init__(self, link: GrammarLink, worker: _Worker, rows: list[int], grammars: list, buffer: int,
+                 seq: int) -> None:
         self.link, self.worker, self.rows, self.grammars, self.buffer = link, worker, rows, grammars, buffer
+        self.seq = seq
+        self.batch: MaskBatch | None = None
 
     def result(self) -> MaskBatch:
-        return self.link._collect(self)
+        if self.batch is None:
+            self.batch = self.link._collect(self)
+        return self.batch
 
 
 class _Worker:
@@ -177,7 +182,7 @@ class GrammarLink:
         self._pinned = _pin(self.masks)
         self._masking = Masking()
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[StructuredOutput], compiled in the worker
-        self._keys, self._gids = itertools.count(), itertools.count()
+        self._keys, self._gids, self._seqs = itertools.count(), itertools.count(), itertools.count()
         self.new: list[NewMatcher] = []
         self.accept_gids: list[int] = []
         self.accept_tokens: list[int] = []
@@ -231,11 +236,12 @@ class GrammarLink:
         if len(rows) > self.rows:
             raise RuntimeError(f"{len(rows)} constrained rows in a step; the masks hold {self.rows} (max_num_seqs)")
         dropped = self.dropped
+        seq = next(self._seqs)
         step = Step(self.new, self.accept_gids, self.accept_tokens, [dropped.popleft() for _ in range(len(dropped))],
-                    gids, self._buffer)
+                    gids, self._buffer, seq)
         self.new, self.accept_gids, self.accept_tokens = [], [], []
         self.worker.step.send(self._encoder.encode(step))
-        self._outstanding = PendingMasks(self, self.worker, rows, grammars, self._buffer)
+        self._outstanding = PendingMasks(self, self.worker, rows, grammars, self._buffer, seq)
         self._buffer = (self._buffer + 1) % MASK_BUFFERS
         return self._outstanding
 
@@ -244,24 +250,34 @@ class GrammarLink:
         return None if pending is None else pending.result()
 
     def _collect(self, pending: PendingMasks) -> MaskBatch:
-        """Wait for the worker's Filled; a broken grammar learns why. A lost worker: every row allows all."""
-        self._outstanding = None
+        """Wait for the worker's Filled of this step (answers to steps given up on are skipped); a broken grammar
+        learns why. A lost worker: every row allows every token, and every grammar of the step is broken."""
+        if self._outstanding is pending:
+            self._outstanding = None
         rows = self.masks[pending.buffer, :len(pending.rows)]
-        worker = pending.worker
-        while worker is self.worker and not worker.step.poll(POLL_MS):
-            if not worker.alive():
-                break
-        if worker is not self.worker or not worker.alive() and not worker.step.poll(0):
+        filled = self._receive(pending)
+        if filled is None:
             rows.fill_(-1)
             for grammar in pending.grammars:
                 grammar.broken = LOST
             return MaskBatch(pending.rows, rows)
-        filled = self._filled.decode(worker.step.recv())
         by_gid = {g.gid: g for g in pending.grammars} if filled.broken else None
         for gid, why in zip(filled.broken, filled.why):
             by_gid[gid].broken = why
         self.live = filled.live
         return MaskBatch(pending.rows, rows)
+
+    def _receive(self, pending: PendingMasks) -> Filled | None:
+        """The Filled with the pending step's seq, or None if its worker is gone."""
+        worker = pending.worker
+        while worker is self.worker:
+            if worker.step.poll(POLL_MS):
+                filled = self._filled.decode(worker.step.recv())
+                if filled.seq == pending.seq:
+                    return filled
+            elif not worker.alive():
+                return None
+        return None
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         self._masking.apply(logits, batch)

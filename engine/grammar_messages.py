@@ -51,11 +51,13 @@ class Step(msgspec.Struct, tag=True, array_like=True, gc=False):
     drop: list[int]
     fill: list[int]  # row i of the buffer gets the mask of matcher fill[i]
     buffer: int
+    seq: int  # echoed in the Filled: the engine skips the answer to a step it gave up on
 
 
 class Filled(msgspec.Struct, tag=True, array_like=True, gc=False):
     """The buffer's rows are written. `broken`: matchers that refused a token or are unknown (their rows allow
     every token), with why; `live`: matchers the worker holds (tests check that none leak)."""
+    seq: int
     broken: list[int]
     why: list[str]
     live: int

@@ -76,7 +76,7 @@ class Worker:
         for gid in msg.drop:
             self.matchers.pop(gid, None)
             self.broken.pop(gid, None)
-        return self._fill(msg.fill, self.masks[msg.buffer])
+        return self._fill(msg.seq, msg.fill, self.masks[msg.buffer])
 
     def _new(self, new: NewMatcher) -> None:
         try:
@@ -91,7 +91,7 @@ class Worker:
             if grammar is not None and gid not in broken and not grammar.accept(token):
                 broken[gid] = f"the output cannot follow the request's constraint: {grammar.error()}"[:300]
 
-    def _fill(self, gids: list[int], buffer) -> Filled:
+    def _fill(self, seq: int, gids: list[int], buffer) -> Filled:
         from engine.grammar_xgr import XgrGrammar
 
         xgr, llg, broken, why = [], [], [], []
@@ -105,7 +105,7 @@ class Worker:
                 (xgr if type(grammar) is XgrGrammar else llg).append((grammar.matcher, row))
         if xgr or llg:
             self.structured.fill_into(buffer[:len(gids)], xgr, llg)
-        return Filled(broken, why, len(self.matchers))
+        return Filled(seq, broken, why, len(self.matchers))
 
 
 def answer_compiles(worker: Worker, context: zmq.Context, compile_addr: str, reply_addr: str) -> None:

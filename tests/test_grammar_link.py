@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,6 +90,26 @@ def assert_no_matcher_left(llm: LLM) -> None:
     run(llm, PROMPTS[:1], json_params(max_tokens=3))
     run(llm, PROMPTS[:1], json_params(max_tokens=3))  # its Step carries the drop of the one before
     assert llm.engine.structured.live == 1
+
+
+def test_a_step_given_up_on_does_not_mix_its_masks_with_the_next(remote, local):
+    """A step whose masks were sent but never read (its step failed before sampling): the next step's masks are
+    its own, equal to the in-process fill of the same matchers, and reading the first later gives its own."""
+    link, here = remote.engine.structured, local.engine.structured
+    so = StructuredOutput(json=json.dumps(SCHEMA))
+    remote_rows = [SimpleNamespace(grammar=link.new_grammar(link.compile(so))) for _ in range(3)]
+    local_rows = [SimpleNamespace(grammar=here.new_grammar(here.compile(so))) for _ in range(3)]
+    opening = remote.get_tokenizer().encode('{"', add_special_tokens=False)
+    given_up = link.start_fill(remote_rows)
+    for token in opening:  # two rows move on; the third stays at the start
+        for r, l in zip(remote_rows[:2], local_rows[:2]):
+            assert r.grammar.accept(token) and l.grammar.accept(token)
+    got = link.start_fill(remote_rows).result()
+    want = here.fill(local_rows)
+    assert got.rows == want.rows == [0, 1, 2]
+    assert torch.equal(got.bitmask, want.bitmask)
+    assert not torch.equal(got.bitmask[0], got.bitmask[2])  # the rows really differ
+    assert given_up.result().rows == [0, 1, 2]
 
 
 def test_preemption_with_a_tiny_pool(tiny_model_dir, local):
