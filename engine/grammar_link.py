@@ -176,8 +176,9 @@ class GrammarLink:
         self.use_xgrammar = backend == "xgrammar" or backend == "auto" and xgrammar_available()
         self.words, self.rows = (vocab_size + 31) // 32, max_rows
         self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows))
-        self._mask_file = tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        os.ftruncate(self._mask_file.fileno(), MASK_BUFFERS * max_rows * self.words * 4)
+        nbytes = MASK_BUFFERS * max_rows * self.words * 4
+        self._mask_file = tempfile.TemporaryFile(dir=mask_dir(nbytes))
+        os.ftruncate(self._mask_file.fileno(), nbytes)
         self.masks = mask_buffers(self._mask_file.fileno(), max_rows, self.words)
         self._pinned = _pin(self.masks)
         self._masking = Masking()
@@ -303,6 +304,17 @@ class GrammarLink:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
         self._mask_file.close()
+
+
+def mask_dir(nbytes: int, shm: str = "/dev/shm") -> str | None:
+    """/dev/shm when it has room for the masks twice over, else the temporary directory: Docker's default
+    /dev/shm is 64 MiB, and a page of a mapped file beyond a full tmpfs is a SIGBUS, not an error. The masks
+    are ~10 MB at 256 rows of a 152k-token vocabulary."""
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return None
+    return shm if st.f_bavail * st.f_frsize >= 2 * nbytes else None
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

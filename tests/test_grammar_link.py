@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.grammar_link import GrammarLink
+from engine.grammar_link import GrammarLink, mask_dir
 from engine.llm import LLM
 from engine.request import SamplingParams, StructuredOutput
 from engine.structured import StructuredOutputs
@@ -227,3 +227,14 @@ def test_server_survives_its_grammar_process_killed(tiny_model_dir):
     finally:
         if proc.poll() is None:
             stop_process(proc, sig=signal.SIGKILL)
+
+
+def test_masks_go_to_dev_shm_only_when_it_has_room(tmp_path):
+    """A full /dev/shm (Docker's 64 MiB default) would turn a mask write into SIGBUS: then the masks live in a
+    file of the temporary directory."""
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    assert mask_dir(1 << 20, str(tmp_path)) == str(tmp_path)
+    assert mask_dir(free, str(tmp_path)) is None
+    assert mask_dir(1 << 20, str(tmp_path / "absent")) is None
