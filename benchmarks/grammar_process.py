@@ -1,16 +1,17 @@
-"""What moving the matchers into a process of their own would cost the engine thread: the lever issue 15 has
-left (docs/structured_outputs.md "Limits"). Under one GIL a constrained step's grammar work lands on the
-engine thread: the matchers' consume (xgrammar's accept holds the GIL) and the wait for a fill that shares the
-GIL with the engine's Python. Here the same step is timed both ways, with the engine's own Python simulated by
-a busy loop of --window-ms between reading a step's tokens and sampling the next:
+"""What a constrained step's grammar work costs the engine thread, with the matchers in the engine's process
+(engine/structured.py StructuredOutputs) and in the grammar process (engine/grammar_link.py GrammarLink): the
+engine's own classes, driven as the engine drives them, with the engine's other Python (detokenization,
+scheduling, staging) stood in for by a busy loop of --window-ms between sending a step's tokens and sampling:
 
-- thread:  consume in the engine thread, then the batch fill in a thread (what engine/structured.py does);
-- process: the tokens go to a grammar process (pyzmq + msgspec), which consumes and fills a shared-memory
-  bitmask, and answers with the rows whose matcher refused its token.
+- in-process: every matcher consumes its token in the engine thread, then the batch fill runs in the mask
+  thread (start_fill) while the engine thread is busy;
+- grammar process: accept() only records the token; start_fill sends the step (tokens, rows) to the worker,
+  which consumes, fills the shared bitmask and answers.
 
-Per step it reports the engine thread's cost beyond the window (what a step gets longer by), split into the
-work it does itself and the time it waits. Rows walk bench/structured_mix.py's record schema along one
-document on the byte-level BPE of the H200 pair (151,936 ids), each row at a different position.
+Per step it reports the engine thread's work (consume + start), the window, and its wait for the masks
+afterwards; "step longer by" is work + wait. Rows walk bench/structured_mix.py's record schema along one
+document on the byte-level BPE of the H200 pair (151,936 ids), each row at a different position. Both forms'
+last masks are compared. Prints a table, writes JSON.
 
     python benchmarks/grammar_process.py --batch 256 --steps 40 --out grammar_process.json
 """
@@ -21,145 +22,78 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import shared_memory
 from pathlib import Path
 from types import SimpleNamespace
 
-import msgspec
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+EOS = 151643
 DOC = {"id": 12345, "title": "A fairly long title for the record that goes on for a while", "status": "pending",
        "tags": ["alpha", "beta", "gamma", "delta", "epsilon"],
        "owner": {"name": "Some Person With A Name", "email": "some.one@example.com"}, "score": 3.25}
 
 
-class Step(msgspec.Struct, tag=True):
-    tokens: list[int]  # per row, the token it consumes before its mask is filled
+def make(form: str, tok, vocab: int, batch: int):
+    """The form's structured-outputs object, as the engine makes it."""
+    from engine.grammar import GrammarLimits
+    from engine.grammar_link import GrammarLink
+    from engine.structured import StructuredOutputs
+
+    if form == "in-process":
+        return StructuredOutputs(tok, vocab, [EOS], GrammarLimits())
+    link = GrammarLink(tok, vocab, [EOS], GrammarLimits(), "auto", batch)
+    error = link.wait_ready()
+    if error is not None:
+        raise SystemExit(f"the grammar process did not start: {error}")
+    return link
 
 
-class Done(msgspec.Struct, tag=True):
-    refused: list[int]  # rows whose matcher refused its token
-
-
-class Stop(msgspec.Struct, tag=True):
-    pass
-
-
-def setup(batch: int, steps: int):
-    """(matchers at staggered positions, the document's tokens, xgrammar's batch matcher, words per row)."""
-    import xgrammar
-
+def staggered_rows(structured, doc: list[int], batch: int, steps: int) -> list:
+    """`batch` requests (only .grammar), row i after the document's first i % (len(doc) - steps) tokens."""
     from bench.structured_mix import SCHEMA
-    from benchmarks.grammar_engines import load_tokenizer, rows_at_positions
-    from engine.grammar_xgr import json_ebnf
+    from engine.request import StructuredOutput
 
-    tok, vocab = load_tokenizer("wb-bpe")
-    info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[151643])
-    compiled = xgrammar.GrammarCompiler(info, cache_enabled=False).compile_grammar(json_ebnf(SCHEMA))
-    doc = tok.encode(json.dumps(DOC, separators=(",", ":")), add_special_tokens=False)
-    if len(doc) <= steps:
-        raise SystemExit(f"--steps must stay below the document's {len(doc)} tokens")
-    rows = SimpleNamespace(matcher=xgrammar.GrammarMatcher, accept=lambda m, t: m.accept_token(t))
-    matchers = rows_at_positions(rows, compiled, doc[:len(doc) - steps], batch)  # room for `steps` more tokens
-    return matchers, doc, xgrammar.BatchGrammarMatcher(), (vocab + 31) // 32
-
-
-def step_tokens(doc: list[int], batch: int, steps: int, k: int) -> list[int]:
-    """Step k's token for each row: the next one of the document at the row's position."""
-    return [doc[i % (len(doc) - steps) + k] for i in range(batch)]
-
-
-def grammar_process(address: str, shm_name: str, batch: int, steps: int) -> None:
-    """The grammar process: consume, fill the shared bitmask, answer; until Stop."""
-    import numpy as np
-    import torch
-    import zmq
-
-    matchers, _, batcher, words = setup(batch, steps)
-    shm = shared_memory.SharedMemory(name=shm_name)
-    mask = torch.from_numpy(np.ndarray((batch, words), dtype=np.int32, buffer=shm.buf))
-    sock = zmq.Context.instance().socket(zmq.PAIR)
-    sock.connect(address)
-    decoder, encoder = msgspec.msgpack.Decoder(Step | Stop), msgspec.msgpack.Encoder()
-    sock.send(encoder.encode(Done([])))  # ready
-    rows = list(range(batch))
-    while not isinstance(msg := decoder.decode(sock.recv()), Stop):
-        refused = [i for i, (m, t) in enumerate(zip(matchers, msg.tokens)) if not m.accept_token(t)]
-        batcher.batch_fill_next_token_bitmask(matchers, mask, rows)
-        sock.send(encoder.encode(Done(refused)))
-    del mask
-    shm.close()
+    compiled = structured.compile(StructuredOutput(json=json.dumps(SCHEMA)))
+    compiled.result(timeout=120)
+    rows = [SimpleNamespace(grammar=structured.new_grammar(compiled)) for _ in range(batch)]
+    for i, row in enumerate(rows):
+        for t in doc[:i % (len(doc) - steps)]:
+            assert row.grammar.accept(t)
+    structured.fill(rows)  # the grammar process consumes what was recorded with its first step
+    return rows
 
 
 def busy(ms: float) -> None:
-    """The engine's own Python between reading a step's tokens and sampling the next (detokenization,
-    scheduling, staging), as a loop that holds the GIL."""
+    """The engine's own Python between a step's start_fill and its sampling, as a loop that holds the GIL."""
     end = time.perf_counter() + ms / 1e3
     while time.perf_counter() < end:
         pass
 
 
-def run_thread(args) -> tuple[list[dict], "torch.Tensor"]:
-    import torch
-
-    matchers, doc, batcher, words = setup(args.batch, args.steps)
-    mask, rows = torch.empty(args.batch, words, dtype=torch.int32), list(range(args.batch))
-    pool, out = ThreadPoolExecutor(1), []
-    sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    for k in range(args.steps):
-        tokens = step_tokens(doc, args.batch, args.steps, k)
-        t0 = time.perf_counter()
-        assert all(m.accept_token(t) for m, t in zip(matchers, tokens))
-        fill = pool.submit(batcher.batch_fill_next_token_bitmask, matchers, mask, rows)
-        t1 = time.perf_counter()
-        busy(args.window_ms)
-        t2 = time.perf_counter()
-        fill.result()
-        t3 = time.perf_counter()
-        out.append({"work_ms": (t1 - t0) * 1e3, "window_ms": (t2 - t1) * 1e3, "wait_ms": (t3 - t2) * 1e3})
-    pool.shutdown()
-    return out, mask
-
-
-def run_process(args) -> tuple[list[dict], "torch.Tensor"]:
-    import numpy as np
-    import torch
-    import zmq
-
-    _, doc, _, words = setup(1, args.steps)
-    shm = shared_memory.SharedMemory(create=True, size=args.batch * words * 4)
-    sock = zmq.Context.instance().socket(zmq.PAIR)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    proc = mp.get_context("spawn").Process(target=grammar_process,
-                                           args=(f"tcp://127.0.0.1:{port}", shm.name, args.batch, args.steps))
-    proc.start()
-    encoder, decoder, out = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Done), []
+def run(form: str, args, tok, vocab: int, doc: list[int]) -> tuple[list[dict], object]:
+    structured = make(form, tok, vocab, args.batch)
+    if hasattr(structured, "switch_interval_s"):
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     try:
-        decoder.decode(sock.recv())  # ready
+        rows = staggered_rows(structured, doc, args.batch, args.steps)
+        out, masks = [], None
         for k in range(args.steps):
-            tokens = step_tokens(doc, args.batch, args.steps, k)
+            tokens = [doc[i % (len(doc) - args.steps) + k] for i in range(args.batch)]
             t0 = time.perf_counter()
-            sock.send(encoder.encode(Step(tokens)))
+            refused = [i for i, (row, t) in enumerate(zip(rows, tokens)) if not row.grammar.accept(t)]
+            pending = structured.start_fill(rows)
             t1 = time.perf_counter()
             busy(args.window_ms)
             t2 = time.perf_counter()
-            done = decoder.decode(sock.recv())
+            masks = pending.result()
             t3 = time.perf_counter()
-            assert not done.refused
+            assert not refused
             out.append({"work_ms": (t1 - t0) * 1e3, "window_ms": (t2 - t1) * 1e3, "wait_ms": (t3 - t2) * 1e3})
-        sock.send(encoder.encode(Stop()))
-        proc.join(30)
-        mask = torch.from_numpy(np.ndarray((args.batch, words), dtype=np.int32, buffer=shm.buf).copy())
+        return out, masks.bitmask.clone()
     finally:
-        if proc.is_alive():
-            proc.kill()
-        shm.close()
-        shm.unlink()
-    return out, mask
+        sys.setswitchinterval(0.005)
+        structured.shutdown()
 
 
 def summarize(name: str, steps: list[dict]) -> dict:
@@ -167,24 +101,30 @@ def summarize(name: str, steps: list[dict]) -> dict:
     rows = steps[2:]
     med = {k: statistics.median(r[k] for r in rows) for k in ("work_ms", "window_ms", "wait_ms")}
     med["beyond_window_ms"] = med["work_ms"] + med["wait_ms"]
-    print(f"{name:8s} engine thread: work {med['work_ms']:6.3f} ms  window {med['window_ms']:6.3f} ms  "
+    print(f"{name:16s} engine thread: work {med['work_ms']:6.3f} ms  window {med['window_ms']:6.3f} ms  "
           f"wait {med['wait_ms']:6.3f} ms  -> step longer by {med['beyond_window_ms']:6.3f} ms", flush=True)
     return {**med, "steps": steps}
 
 
 def main() -> int:
+    from benchmarks.grammar_engines import load_tokenizer
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--window-ms", type=float, default=2.5, help="the engine's Python between tokens and sampling")
-    p.add_argument("--switch-interval-ms", type=float, default=0.2, help="the thread form's GIL switch interval")
+    p.add_argument("--switch-interval-ms", type=float, default=0.2, help="in-process: the GIL switch interval")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    (thread, thread_mask), (process, process_mask) = run_thread(args), run_process(args)
-    same = bool((thread_mask == process_mask).all())  # the same rows walked the same tokens: the same masks
+    tok, vocab = load_tokenizer("wb-bpe")
+    doc = tok.encode(json.dumps(DOC, separators=(",", ":")), add_special_tokens=False)
+    if len(doc) <= args.steps:
+        raise SystemExit(f"--steps must stay below the document's {len(doc)} tokens")
+    (local, local_mask), (remote, remote_mask) = (run(f, args, tok, vocab, doc) for f in ("in-process", "process"))
+    same = bool((local_mask == remote_mask).all())  # the same rows walked the same tokens: the same masks
     print(f"last step's masks equal in both forms: {same}")
     result = {"batch": args.batch, "window_ms": args.window_ms, "cores": mp.cpu_count(), "masks_equal": same,
-              "thread": summarize("thread", thread), "process": summarize("process", process)}
+              "thread": summarize("in-process", local), "process": summarize("grammar process", remote)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0 if same else 1

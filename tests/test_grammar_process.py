@@ -1,5 +1,5 @@
-"""benchmarks/grammar_process.py: the grammar-process form fills the same masks as the in-process one (its
-matchers live in a spawned process, the bitmask in shared memory), and the process leaves nothing behind."""
+"""benchmarks/grammar_process.py: the engine's grammar process (engine/grammar_link.py) fills the same masks as
+the matchers in the engine's process, and the engine thread's work per step with it is recording and sending."""
 from __future__ import annotations
 
 import json
