@@ -102,13 +102,13 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_worker", f.name, *addrs, str(mask_fd)],
                                      pass_fds=(mask_fd,), env=_worker_env())
         self.compiles: dict[int, tuple[Future, StructuredOutput]] = {}  # Compile.key -> (future, constraint)
-        self.lost = False
+        self.stopped = False
         self.thread = threading.Thread(target=self._resolve_compiles, args=(reply,), daemon=True,
                                        name="kvserve-grammar-replies")
         self.thread.start()
 
     def alive(self) -> bool:
-        return not self.lost and self.proc.poll() is None
+        return not self.stopped and self.proc.poll() is None
 
     def wait_ready(self, timeout_s: float) -> str | None:
         """None once the worker is ready, else why not."""
@@ -122,20 +122,19 @@ class _Worker:
             os.unlink(self.spec_file)
 
     def _resolve_compiles(self, reply: zmq.Socket) -> None:
-        """The reply thread: each Compiled resolves its future (with the constraint, which new_grammar sends on),
-        until the worker is gone; then what is left fails."""
+        """The reply thread: each Compiled resolves its future (with the constraint, which new_grammar sends on).
+        Once the worker is gone every compile waiting, or registered later, fails, until stop()."""
         decoder = msgspec.msgpack.Decoder(Compiled)
         with reply:
-            while self.alive():
+            while not self.stopped:
                 if reply.poll(POLL_MS):
                     _resolve(decoder.decode(reply.recv()), self.compiles)
-        self.lost = True
-        for key in list(self.compiles):
-            future, _ = self.compiles.pop(key)
-            future.set_exception(GrammarProcessError(LOST))
+                elif self.proc.poll() is not None:
+                    _fail_all(self.compiles)
+        _fail_all(self.compiles)
 
     def stop(self) -> None:
-        self.lost = True
+        self.stopped = True
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -155,6 +154,13 @@ def _resolve(msg: Compiled, compiles: dict[int, tuple[Future, StructuredOutput]]
         future.set_exception(RequestError(msg.error, msg.code, msg.param))
     else:
         future.set_exception(GrammarProcessError(msg.error))
+
+
+def _fail_all(compiles: dict[int, tuple[Future, StructuredOutput]]) -> None:
+    for key in list(compiles):
+        future, _ = compiles.pop(key, (None, None))
+        if future is not None and not future.done():
+            future.set_exception(GrammarProcessError(LOST))
 
 
 def _worker_env() -> dict[str, str]:

@@ -238,3 +238,26 @@ def test_masks_go_to_dev_shm_only_when_it_has_room(tmp_path):
     assert mask_dir(1 << 20, str(tmp_path)) == str(tmp_path)
     assert mask_dir(free, str(tmp_path)) is None
     assert mask_dir(1 << 20, str(tmp_path / "absent")) is None
+
+
+def test_a_compile_waiting_on_a_dead_worker_fails(remote):
+    """A compile registered with a worker that has died (even after it died) fails within a moment, so no
+    request waits forever for its grammar."""
+    from concurrent.futures import Future
+
+    from engine.grammar import GrammarLimits
+    from engine.grammar_link import GrammarProcessError
+
+    e = remote.engine
+    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, GrammarLimits(), "auto", 4)
+    try:
+        assert link.wait_ready() is None
+        link.worker.proc.kill()
+        link.worker.proc.wait()
+        time.sleep(0.5)
+        late = Future()
+        link.worker.compiles[12345] = (late, None)
+        with pytest.raises(GrammarProcessError):
+            late.result(timeout=5)
+    finally:
+        link.shutdown()
