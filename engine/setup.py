@@ -1,12 +1,19 @@
 """What an engine is built from, resolved in one place: the device, the dtype, the attention backend with
-its KV block size, the step's token budget, and the EOS ids."""
+its KV block size, the step's token budget, the EOS ids, and where structured outputs' matchers live."""
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from attention import explain_backend_choice, load_backend
 from attention.base import DEFAULT_BLOCK_SIZE
 from engine.config import EngineConfig
+from engine.grammar import GrammarLimits
+from engine.grammar_link import GrammarLink
+from engine.structured import StructuredOutputs
+
+logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,3 +57,25 @@ def eos_ids(hf_config, tokenizer) -> frozenset[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return frozenset(i for i in ids if i is not None)
+
+
+def structured_outputs(config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids, device: torch.device
+                       ) -> StructuredOutputs | GrammarLink:
+    """The grammar process's link (config.structured_outputs_process; None: with CUDA), else the matchers in the
+    engine's process; a grammar process that does not start falls back to them, with a warning."""
+    args = (tokenizer, vocab_size, eos_token_ids, GrammarLimits(config.grammar_max_size, config.grammar_compile_fuel),
+            config.structured_outputs_backend)
+    wanted = config.structured_outputs_process
+    if not (wanted or wanted is None and device.type == "cuda"):
+        return StructuredOutputs(*args)
+    try:
+        link = GrammarLink(*args, config.max_num_seqs)
+    except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
+        logger.warning("no grammar process (%s): grammar matchers run in the engine's process", exc)
+        return StructuredOutputs(*args)
+    error = link.wait_ready()
+    if error is None:
+        return link
+    logger.warning("the grammar process did not start (%s): matchers run in the engine's process", error)
+    link.shutdown()
+    return StructuredOutputs(*args)
