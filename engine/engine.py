@@ -32,6 +32,7 @@ class EngineStats:
     generation_tokens_total: int
     idle_invariant_violations: int
     num_steps: int
+    grammar_process_restarts: int = 0
 
 
 @dataclass
@@ -416,4 +417,4 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(), self._prompt_tokens, self._generation_tokens,
-                           self._idle_violations, self._steps)
+                           self._idle_violations, self._steps, getattr(self.structured, "restarts", 0))

@@ -197,6 +197,7 @@ class GrammarLink:
         self._buffer = 0
         self._outstanding: PendingMasks | None = None
         self.live = 0  # matchers the worker holds, as of its last Filled
+        self.restarts = 0  # workers started after one died
         self._encoder = msgspec.msgpack.Encoder()
         self._filled = msgspec.msgpack.Decoder(Filled)
         self.worker = _Worker(self._spec, self._mask_file.fileno())
@@ -300,6 +301,7 @@ class GrammarLink:
         self.new, self.accept_gids, self.accept_tokens, self._outstanding = [], [], [], None
         self.dropped.clear()
         self.worker = _Worker(self._spec, self._mask_file.fileno())
+        self.restarts += 1
         self._procs.append(self.worker.proc)
         error = self.worker.wait_ready(READY_TIMEOUT_S)
         if error is not None:

@@ -33,7 +33,9 @@ _COUNTERS = (("prefix_cache_queries", "prompt tokens looked up in the prefix cac
              ("generation_tokens", "tokens generated", "generation_tokens_total"),
              ("engine_steps", "engine steps run", "num_steps"),
              ("idle_invariant_violations", "times the engine went idle with KV blocks still held by no request",
-              "idle_invariant_violations"))
+              "idle_invariant_violations"),
+             ("grammar_process_restarts", "grammar processes started again after one died (their constrained "
+              "requests failed)", "grammar_process_restarts"))
 
 
 class _EngineStatsCollector:

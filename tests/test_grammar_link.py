@@ -221,6 +221,7 @@ def test_server_survives_its_grammar_process_killed(tiny_model_dir):
         validate(constrained())
         metrics = parse_metrics(httpx.get(base + "/metrics").text)
         assert metrics["kvserve_kv_blocks_used"] == 0
+        assert metrics["kvserve_grammar_process_restarts_total"] == 1
         children = psutil.Process(proc.pid).children(recursive=True)
         assert stop_process(proc)[0] == 0
         assert not [p for p in psutil.wait_procs(children, timeout=10)[1]]

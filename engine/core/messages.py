@@ -78,6 +78,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     idle_invariant_violations: int = 0
     num_steps: int = 0
     num_unfinished: int = 0  # engine requests (all completions) not finished yet, every front end's
+    grammar_process_restarts: int = 0  # grammar processes started again after one died (engine/grammar_link.py)
 
     def as_dead(self) -> CoreStats:
         """A dead core's stats: it holds nothing, so the gauges read 0; the cumulative counters keep their last
