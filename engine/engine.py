@@ -18,7 +18,8 @@ from engine.runner import (ModelRunner, PreparedStep, RunnerOutput, StepHandle, 
                            profile_step_peak_bytes)
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.setup import (choose_backend, eos_ids, resolve_device, resolve_dtype,
-                          resolve_max_num_batched_tokens, structured_outputs)
+                          resolve_max_num_batched_tokens, structured_outputs,
+                          structured_outputs_ready)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class LLMEngine:
         head_dim = getattr(self.hf_config, "head_dim", None) or (
             self.hf_config.hidden_size // self.hf_config.num_attention_heads)
         self.backend, self.backend_reason, self.block_size = choose_backend(config, self.device, head_dim, self.dtype)
+        self.structured = None if self.tokenizer is None else structured_outputs(  # a grammar process starts
+            config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.device)
         self.backend_name = self.backend.name
         model = load_model(path, self.hf_config, self.dtype, self.device, self.backend,
                            pack_for_cpu=config.cpu_packed_weights)
@@ -98,8 +101,7 @@ class LLMEngine:
         self._unsampled: tuple[SchedulerOutput, StepHandle] | None = None  # launched, waiting for its masks
         self.pipeline_masks = config.structured_outputs_pipeline  # _step_behind_masks (read every step)
         self._num_history_requests = 0  # live completions whose sampling reads every earlier token
-        self.structured = None if self.tokenizer is None else structured_outputs(
-            config, self.tokenizer, self.vocab_size, self.eos_token_ids, self.device)
+        self.structured = None if self.structured is None else structured_outputs_ready(self.structured)
         self.runner.structured = self.structured
         self._grammars = GrammarAdmission(self.structured, self.scheduler)  # structured requests, compiling
         self._log_start()

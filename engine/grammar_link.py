@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often a wait for the worker checks that it still lives
 READY_TIMEOUT_S = 120.0  # a worker that has not started by then (importing torch, the tokenizer) is given up
 LOST = "the grammar process exited; the request's grammar state is lost"
+WORKER_COMMAND = (sys.executable, "-m", "engine.grammar_worker")  # then: SPEC_FILE STEP COMPILE REPLY MASK_FD
 
 
 class GrammarProcessError(RuntimeError):
@@ -99,7 +100,7 @@ class _Worker:
         with tempfile.NamedTemporaryFile(prefix="kvserve-grammar-", suffix=".pkl", delete=False) as f:
             f.write(spec)
         self.spec_file = f.name
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_worker", f.name, *addrs, str(mask_fd)],
+        self.proc = subprocess.Popen([*WORKER_COMMAND, f.name, *addrs, str(mask_fd)],
                                      pass_fds=(mask_fd,), env=_worker_env())
         self.compiles: dict[int, tuple[Future, StructuredOutput]] = {}  # Compile.key -> (future, constraint)
         self.stopped = False
@@ -179,6 +180,7 @@ class GrammarLink:
                  max_rows: int) -> None:
         from engine.grammar_xgr import available as xgrammar_available
 
+        self.args = (hf_tokenizer, vocab_size, eos_ids, limits, backend)  # StructuredOutputs' (the fallback)
         self.use_xgrammar = backend == "xgrammar" or backend == "auto" and xgrammar_available()
         self.words, self.rows = (vocab_size + 31) // 32, max_rows
         self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows))

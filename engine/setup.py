@@ -61,21 +61,28 @@ def eos_ids(hf_config, tokenizer) -> frozenset[int]:
 
 def structured_outputs(config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids, device: torch.device
                        ) -> StructuredOutputs | GrammarLink:
-    """The grammar process's link (config.structured_outputs_process; None: with CUDA), else the matchers in the
-    engine's process; a grammar process that does not start falls back to them, with a warning."""
+    """The grammar process's link, its worker starting (config.structured_outputs_process; None: with CUDA), else
+    the matchers in the engine's process. Pass it through structured_outputs_ready before use: the engine
+    starts the worker first and waits for it after loading the model (~3-5 s of imports, overlapped)."""
     args = (tokenizer, vocab_size, eos_token_ids, GrammarLimits(config.grammar_max_size, config.grammar_compile_fuel),
             config.structured_outputs_backend)
     wanted = config.structured_outputs_process
-    if not (wanted or wanted is None and device.type == "cuda"):
-        return StructuredOutputs(*args)
-    try:
-        link = GrammarLink(*args, config.max_num_seqs)
-    except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
-        logger.warning("no grammar process (%s): grammar matchers run in the engine's process", exc)
-        return StructuredOutputs(*args)
-    error = link.wait_ready()
-    if error is None:
-        return link
-    logger.warning("the grammar process did not start (%s): matchers run in the engine's process", error)
-    link.shutdown()
+    if wanted or wanted is None and device.type == "cuda":
+        try:
+            return GrammarLink(*args, config.max_num_seqs)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
+            logger.warning("no grammar process (%s): grammar matchers run in the engine's process", exc)
     return StructuredOutputs(*args)
+
+
+def structured_outputs_ready(structured: StructuredOutputs | GrammarLink) -> StructuredOutputs | GrammarLink:
+    """The link once its worker is ready; a worker that does not start falls back to the matchers in the
+    engine's process, with a warning."""
+    if not isinstance(structured, GrammarLink):
+        return structured
+    error = structured.wait_ready()
+    if error is None:
+        return structured
+    logger.warning("the grammar process did not start (%s): matchers run in the engine's process", error)
+    structured.shutdown()
+    return StructuredOutputs(*structured.args)

@@ -262,3 +262,17 @@ def test_a_compile_waiting_on_a_dead_worker_fails(remote):
             late.result(timeout=5)
     finally:
         link.shutdown()
+
+
+def test_a_grammar_process_that_does_not_start_falls_back_to_the_engine_process(tiny_model_dir, monkeypatch,
+                                                                                 caplog):
+    import sys
+
+    from engine import grammar_link
+
+    monkeypatch.setattr(grammar_link, "WORKER_COMMAND", (sys.executable, "-c", "raise SystemExit(3)"))
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, structured_outputs_process=True)
+    assert type(llm.engine.structured) is StructuredOutputs
+    assert "did not start" in caplog.text and "exit code 3" in caplog.text
+    tok = llm.get_tokenizer()
+    assert tok.decode(run(llm, PROMPTS[:1], choice_params())[0], skip_special_tokens=True) in ("yes", "no", "maybe")
