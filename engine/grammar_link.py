@@ -111,6 +111,16 @@ class _Worker:
     def alive(self) -> bool:
         return not self.stopped and self.proc.poll() is None
 
+    def send(self, sock: zmq.Socket, data: bytes) -> None:
+        """Send without blocking: a socket with no peer (the worker closed it, so it is exiting) would block
+        forever. Then the worker is killed, and the waits that follow see it gone."""
+        try:
+            sock.send(data, zmq.NOBLOCK)
+        except zmq.Again:
+            logger.error("the grammar process is not connected: killing it")
+            self.proc.kill()
+            self.proc.wait()
+
     def wait_ready(self, timeout_s: float) -> str | None:
         """None once the worker is ready, else why not."""
         deadline = time.monotonic() + timeout_s
@@ -220,7 +230,7 @@ class GrammarLink:
             future, n = Future(), next(self._keys)
             self.worker.compiles[n] = (future, so)
             self._cache.put(key, future)
-            self.worker.compile_sock.send(self._encoder.encode(Compile(n, so)))
+            self.worker.send(self.worker.compile_sock, self._encoder.encode(Compile(n, so)))
         return future
 
     def new_grammar(self, compiled: Future) -> RemoteGrammar:
@@ -250,7 +260,7 @@ class GrammarLink:
         step = Step(self.new, self.accept_gids, self.accept_tokens, [dropped.popleft() for _ in range(len(dropped))],
                     gids, self._buffer, seq)
         self.new, self.accept_gids, self.accept_tokens = [], [], []
-        self.worker.step.send(self._encoder.encode(step))
+        self.worker.send(self.worker.step, self._encoder.encode(step))
         self._outstanding = PendingMasks(self, self.worker, rows, grammars, self._buffer, seq)
         self._buffer = (self._buffer + 1) % MASK_BUFFERS
         return self._outstanding

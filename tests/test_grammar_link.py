@@ -276,3 +276,27 @@ def test_a_grammar_process_that_does_not_start_falls_back_to_the_engine_process(
     assert "did not start" in caplog.text and "exit code 3" in caplog.text
     tok = llm.get_tokenizer()
     assert tok.decode(run(llm, PROMPTS[:1], choice_params())[0], skip_special_tokens=True) in ("yes", "no", "maybe")
+
+
+def test_a_step_sent_to_a_worker_that_left_does_not_block(remote):
+    """The worker closed its socket without dying at once: the send does not block, the worker is killed,
+    the step's rows allow every token and its grammars are broken."""
+    import zmq
+
+    from engine.grammar import GrammarLimits
+
+    e = remote.engine
+    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, GrammarLimits(), "auto", 4)
+    try:
+        assert link.wait_ready() is None
+        so = StructuredOutput(choice=["yes", "no"])
+        rows = [SimpleNamespace(grammar=link.new_grammar(link.compile(so))) for _ in range(2)]
+        link.worker.step.close(linger=0)  # stands in for the peer gone: a fresh PAIR socket with no peer
+        link.worker.step = link.worker.context.socket(zmq.PAIR)
+        start = time.monotonic()
+        batch = link.start_fill(rows).result()
+        assert time.monotonic() - start < 10
+        assert bool((batch.bitmask == -1).all()) and all(r.grammar.broken for r in rows)
+        assert not link.worker.alive()
+    finally:
+        link.shutdown()
