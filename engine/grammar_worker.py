@@ -70,6 +70,18 @@ class Worker:
             return self.structured.compile(constraint)
 
     def step(self, msg: Step) -> Filled:
+        """The Step applied; an exception fails the step's grammars (rows allow everything) instead of the
+        worker, which would otherwise be restarted and fail the same way at every step."""
+        try:
+            return self._step(msg)
+        except Exception as exc:  # noqa: BLE001 - reported per request; the worker goes on
+            why = f"the grammar process failed: {type(exc).__name__}: {exc}"[:300]
+            self.masks[msg.buffer, :len(msg.fill)] = -1
+            for gid in msg.fill:
+                self.broken[gid] = why
+            return Filled(msg.seq, list(msg.fill), [why] * len(msg.fill), len(self.matchers))
+
+    def _step(self, msg: Step) -> Filled:
         for new in msg.new:
             self._new(new)
         self._accept(msg.accept_gids, msg.accept_tokens)

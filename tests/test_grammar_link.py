@@ -300,3 +300,23 @@ def test_a_step_sent_to_a_worker_that_left_does_not_block(remote):
         assert not link.worker.alive()
     finally:
         link.shutdown()
+
+
+def test_a_failing_step_fails_its_requests_not_the_grammar_process():
+    """An exception inside the worker's step (here a matcher's accept raises) breaks that step's grammars, so
+    their requests end with an error, and the worker answers as usual instead of dying (a restarted worker
+    would fail the same way at every step)."""
+    from engine.grammar_messages import Step
+    from engine.grammar_worker import Worker
+
+    class Exploding:
+        def accept(self, token):
+            raise RuntimeError("matcher state corrupted")
+
+    worker = Worker.__new__(Worker)  # the step logic alone, without a process or a tokenizer
+    worker.masks, worker.matchers, worker.broken = torch.zeros(2, 4, 3, dtype=torch.int32), {7: Exploding()}, {}
+    filled = worker.step(Step([], [7], [1], [], [7, 8], 1, 41))
+    assert filled.seq == 41 and filled.broken == [7, 8]
+    assert all("matcher state corrupted" in why for why in filled.why)
+    assert bool((worker.masks[1, :2] == -1).all()) and bool((worker.masks[0] == 0).all())
+    assert set(worker.broken) == {7, 8}
