@@ -13,6 +13,7 @@ engine and its unconstrained requests go on.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -130,7 +131,8 @@ class _Worker:
                     return f"no grammar process (exit code {self.proc.poll()})"
             return msgspec.msgpack.decode(self.step.recv(), type=Ready).error
         finally:
-            os.unlink(self.spec_file)
+            with contextlib.suppress(FileNotFoundError):  # the worker removes it once read
+                os.unlink(self.spec_file)
 
     def _resolve_compiles(self, reply: zmq.Socket) -> None:
         """The reply thread: each Compiled resolves its future (with the constraint, which new_grammar sends on).

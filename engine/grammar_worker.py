@@ -164,6 +164,7 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(1)  # torch only maps the masks here; xgrammar and llguidance bring their threads
         with open(spec_file, "rb") as f:
             spec: WorkerSpec = pickle.load(f)
+        os.unlink(spec_file)  # read once (the engine removes it too, should this process die first)
         worker = Worker(spec, mask_buffers(int(fd), spec.rows, (spec.vocab_size + 31) // 32))
     except Exception as exc:  # noqa: BLE001 - told to the engine, which then fills masks in its own process
         sock.send(encoder.encode(Ready(f"{type(exc).__name__}: {exc}")))
