@@ -9,5 +9,5 @@ pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WA
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 200 python3 benchmarks/online_pair.py --no-vllm --repeat 1 --deadline-s 190 --min-phase-s 60 \
-  --out "$out/pair.json" --raw-dir "$out/pair-raw" > "$out/pair.log" 2>&1
+  --out "$out/pair.json" --raw-dir "$out/pair-raw" "$@" > "$out/pair.log" 2>&1
 grep -v "Loading\|Writing" "$out/pair.log" | tail -22
