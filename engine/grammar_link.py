@@ -41,6 +41,7 @@ from engine.structured import CACHE_SIZE, Masking, MaskBatch
 logger = logging.getLogger(__name__)
 
 POLL_MS = 200  # how often a wait for the worker checks that it still lives
+SEND_TIMEOUT_MS = 3000  # a send waits this long for its peer (a connection still being made), then gives up
 READY_TIMEOUT_S = 120.0  # a worker that has not started by then (importing torch, the tokenizer) is given up
 LOST = "the grammar process exited; the request's grammar state is lost"
 WORKER_COMMAND = (sys.executable, "-m", "engine.grammar_worker")  # then: SPEC_FILE STEP COMPILE REPLY MASK_FD
@@ -113,9 +114,13 @@ class _Worker:
         return not self.stopped and self.proc.poll() is None
 
     def send(self, sock: zmq.Socket, data: bytes) -> None:
-        """Send without blocking: a socket with no peer (the worker closed it, so it is exiting) would block
-        forever. Then the worker is killed, and the waits that follow see it gone."""
+        """Send, waiting at most SEND_TIMEOUT_MS for the peer: a socket whose peer is gone (the worker closed
+        it, so it is exiting) would block forever, while one whose connection is still being made (the compile
+        socket right after Ready: CI once sent before it was up) needs a moment. Past that the worker is killed,
+        and the waits that follow see it gone."""
         try:
+            if not sock.poll(SEND_TIMEOUT_MS, zmq.POLLOUT):
+                raise zmq.Again()
             sock.send(data, zmq.NOBLOCK)
         except zmq.Again:
             logger.error("the grammar process is not connected: killing it")

@@ -120,12 +120,11 @@ class Worker:
         return Filled(seq, broken, why, len(self.matchers))
 
 
-def answer_compiles(worker: Worker, context: zmq.Context, compile_addr: str, reply_addr: str) -> None:
-    """The compile thread: each Compile is answered once its grammar is compiled (or failed)."""
+def answer_compiles(worker: Worker, pull: zmq.Socket, push: zmq.Socket) -> None:
+    """The compile thread (its sockets connected by the main thread before Ready, then used only here): each
+    Compile is answered once its grammar is compiled (or failed)."""
     decoder, encoder = msgspec.msgpack.Decoder(Compile), msgspec.msgpack.Encoder()
-    with context.socket(zmq.PULL) as pull, context.socket(zmq.PUSH) as push:
-        pull.connect(compile_addr)
-        push.connect(reply_addr)
+    with pull, push:
         while True:
             msg = decoder.decode(pull.recv())
             push.send(encoder.encode(_compiled(worker, msg)))
@@ -142,14 +141,22 @@ def _compiled(worker: Worker, msg: Compile) -> Compiled:
 
 
 def serve_steps(worker: Worker, sock: zmq.Socket, parent: int) -> None:
-    """Answer each Step with its Filled, until the engine's process is gone."""
+    """Answer each Step with its Filled, until the engine's process is gone (a send to a peer that is gone
+    would block forever, so it waits for room the same way)."""
     decoder, encoder = msgspec.msgpack.Decoder(Step), msgspec.msgpack.Encoder()
-    while True:
-        if not sock.poll(PARENT_CHECK_MS):
-            if os.getppid() != parent:
-                return
-            continue
-        sock.send(encoder.encode(worker.step(decoder.decode(sock.recv()))))
+    while _wait(sock, zmq.POLLIN, parent):
+        answer = encoder.encode(worker.step(decoder.decode(sock.recv())))
+        if not _wait(sock, zmq.POLLOUT, parent):
+            return
+        sock.send(answer, zmq.NOBLOCK)
+
+
+def _wait(sock: zmq.Socket, event: int, parent: int) -> bool:
+    """Until the socket is ready for `event`: True; False once the engine's process is gone."""
+    while not sock.poll(PARENT_CHECK_MS, event):
+        if os.getppid() != parent:
+            return False
+    return True
 
 
 def main(argv: list[str]) -> None:
@@ -169,7 +176,10 @@ def main(argv: list[str]) -> None:
     except Exception as exc:  # noqa: BLE001 - told to the engine, which then fills masks in its own process
         sock.send(encoder.encode(Ready(f"{type(exc).__name__}: {exc}")))
         return
-    threading.Thread(target=answer_compiles, args=(worker, context, compile_addr, reply_addr), daemon=True,
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    pull.connect(compile_addr)
+    push.connect(reply_addr)
+    threading.Thread(target=answer_compiles, args=(worker, pull, push), daemon=True,
                      name="kvserve-grammar-compiles").start()
     sock.send(encoder.encode(Ready()))
     serve_steps(worker, sock, parent)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -320,3 +321,27 @@ def test_a_failing_step_fails_its_requests_not_the_grammar_process():
     assert all("matcher state corrupted" in why for why in filled.why)
     assert bool((worker.masks[1, :2] == -1).all()) and bool((worker.masks[0] == 0).all())
     assert set(worker.broken) == {7, 8}
+
+
+def test_the_grammar_process_exits_with_its_engine(tiny_model_dir):
+    """SIGKILL the process that holds the engine (here a child python running an LLM): its grammar process
+    exits by itself within seconds, whether it was idle or about to answer."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    code = ("import sys; from engine.llm import LLM; "
+            f"llm = LLM({str(tiny_model_dir('llama'))!r}, num_kv_blocks=64, structured_outputs_process=True); "
+            "print(llm.engine.structured.worker.proc.pid, flush=True); sys.stdin.read()")
+    engine = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        worker = psutil.Process(int(engine.stdout.readline()))
+        assert worker.is_running()
+        engine.kill()
+        engine.wait()
+        worker.wait(timeout=10)  # psutil.TimeoutExpired if it outlived its engine
+    finally:
+        if engine.poll() is None:
+            engine.kill()
