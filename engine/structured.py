@@ -8,6 +8,9 @@ filled (xgrammar's batch fill for JSON schemas and regexes, llguidance's paralle
 engine/grammar_xgr.py says why) and its rows sampled: the fill overlaps the forward pass on the device,
 and the async-scheduling pipeline keeps running. A mask allows EOS only where the grammar may end. A matcher consumes each token the
 engine appends, so preemption (recompute) and prefix-cache hits leave it where it was.
+
+This is the in-process form (the default without CUDA); with CUDA the engine keeps all of it in a grammar
+process of its own (engine/grammar_link.py, whose worker runs an instance of this class).
 """
 from __future__ import annotations
 
