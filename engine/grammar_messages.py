@@ -1,25 +1,18 @@
 """The messages between the engine and its grammar process (engine/grammar_link.py, engine/grammar_worker.py):
 small typed structs, msgpack on the wire (msgspec), dispatched by type. No torch here.
 
-Engine -> worker, step socket (the engine thread, one Step in flight at a time):
-  Init once (what the worker builds its StructuredOutputs from, pickled), then Step per constrained step.
+What the worker builds its StructuredOutputs from (engine.grammar_worker.WorkerSpec, with the tokenizer) is
+pickled into a file named on its command line, not sent here.
+Engine -> worker, step socket (the engine thread, one Step in flight at a time): Step per constrained step.
 Worker -> engine, step socket: Ready once, then Filled per Step.
 Engine -> worker, compile socket: Compile. Worker -> engine, reply socket: Compiled (the engine's receiver
 thread resolves the constraint's future).
 """
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from engine.request import StructuredOutput
-
-
-class Init(msgspec.Struct, tag=True, array_like=True):
-    state: bytes  # pickle of engine.grammar_worker.WorkerSpec
-    mask_path: str  # the shared bitmask file: [MASK_BUFFERS, rows, words] int32
-    rows: int
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
@@ -62,6 +55,3 @@ class Filled(msgspec.Struct, tag=True, array_like=True, gc=False):
     why: list[str]
     live: int
 
-
-ToWorker = Union[Init, Step]
-FromWorker = Union[Ready, Filled]
