@@ -29,7 +29,6 @@ from bench.structured_mix import SCHEMA  # noqa: E402
 from bench.workloads import workload_wb  # noqa: E402
 from benchmarks.profile_step import PartTimer  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.grammar import GrammarLimits  # noqa: E402
 from engine.request import SamplingParams, StructuredOutput  # noqa: E402
 from engine.structured import StructuredOutputs  # noqa: E402
 
@@ -151,10 +150,7 @@ def in_process(llm: LLM):
     if isinstance(engine.structured, StructuredOutputs):
         return engine.structured
     if getattr(llm, "_in_process", None) is None:
-        c = engine.config
-        llm._in_process = StructuredOutputs(engine.tokenizer, engine.vocab_size, engine.eos_token_ids,
-                                            GrammarLimits(c.grammar_max_size, c.grammar_compile_fuel),
-                                            c.structured_outputs_backend)
+        llm._in_process = StructuredOutputs(*engine.structured.args)  # what the link falls back to
         llm._in_process.compile(StructuredOutput(json=json.dumps(SCHEMA))).result()
     return llm._in_process
 
