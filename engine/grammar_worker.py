@@ -104,9 +104,9 @@ class Worker:
                 broken[gid] = f"the output cannot follow the request's constraint: {grammar.error()}"[:300]
 
     def _fill(self, seq: int, gids: list[int], buffer) -> Filled:
-        from engine.grammar_xgr import XgrGrammar
+        from engine.structured import split_by_engine
 
-        xgr, llg, broken, why = [], [], [], []
+        live, broken, why = [], [], []
         for row, gid in enumerate(gids):
             grammar = self.matchers.get(gid)
             if grammar is None or gid in self.broken:
@@ -114,9 +114,9 @@ class Worker:
                 broken.append(gid)
                 why.append(self.broken.get(gid, UNKNOWN))
             else:
-                (xgr if type(grammar) is XgrGrammar else llg).append((grammar.matcher, row))
-        if xgr or llg:
-            self.structured.fill_into(buffer[:len(gids)], xgr, llg)
+                live.append((grammar, row))
+        if live:
+            self.structured.fill_into(buffer[:len(gids)], *split_by_engine(live))
         return Filled(seq, broken, why, len(self.matchers))
 
 

@@ -133,13 +133,12 @@ class StructuredOutputs:
     @staticmethod
     def _constrained_rows(requests: list[Request]) -> tuple[list[int], list, list]:
         """(the rows under a grammar, xgrammar's (matcher, mask row) pairs, llguidance's)."""
-        rows, xgr, llg = [], [], []
+        rows, grammars = [], []
         for i, r in enumerate(requests):
-            grammar = r.grammar
-            if grammar is not None:
-                (xgr if type(grammar) is XgrGrammar else llg).append((grammar.matcher, len(rows)))
+            if r.grammar is not None:
+                grammars.append((r.grammar, len(rows)))
                 rows.append(i)
-        return rows, xgr, llg
+        return (rows, *split_by_engine(grammars))
 
     def _fill_rows(self, rows: list[int], xgr: list, llg: list) -> MaskBatch | None:
         if not rows:
@@ -173,6 +172,14 @@ class StructuredOutputs:
             self._fills.shutdown(wait=False, cancel_futures=True)
         if self._xgr is not None:
             self._xgr.shutdown()
+
+
+def split_by_engine(grammars: list[tuple]) -> tuple[list, list]:
+    """(grammar, mask row) pairs as (xgrammar's (matcher, row) pairs, llguidance's): what fill_into takes."""
+    xgr, llg = [], []
+    for grammar, row in grammars:
+        (xgr if type(grammar) is XgrGrammar else llg).append((grammar.matcher, row))
+    return xgr, llg
 
 
 class Masking:
