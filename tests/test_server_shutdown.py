@@ -6,15 +6,22 @@ DrainingServer in-process with slowed engine steps, so which request outlives th
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
-from server_utils import Faults, ServerThread, faulty_engine, free_port, start_server_process, stop_process
+from server_utils import (REPO, Faults, ServerThread, faulty_engine, free_port, start_server_process, stop_process,
+                          wait_for)
 
 
 class StreamThread(threading.Thread):
@@ -83,6 +90,48 @@ def test_sigterm_drains_and_a_second_signal_aborts(model_dir):
     assert short.finish_reasons == ["length"] and short.events[-1] == "[DONE]"
     assert long.finish_reasons == ["abort"] and long.events[-1] == "[DONE]"
     assert "Traceback" not in out and "threads still running at exit" not in out
+
+
+def test_sigterm_while_the_model_loads_exits_at_once(model_dir, tmp_path):
+    """SIGTERM while the core still loads the model (its weights on storage that hangs: a FIFO nobody writes)
+    ends the server within seconds, with no process left. Before, the stop waited for the load, then the
+    shutdown timeout (60 s here), then killed the core."""
+    hanging = shutil.copytree(model_dir, tmp_path / "hanging")
+    for weights in hanging.glob("*.safetensors"):
+        weights.unlink()
+        os.mkfifo(weights)
+    port, log = free_port(), tmp_path / "server.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--model", str(hanging), "--device",
+                                 "cpu", "--port", str(port), "--shutdown-timeout", "60"], cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=sink, stderr=subprocess.STDOUT)
+    children = []
+    try:
+        wait_for(lambda: _ready_status(port) == 503, timeout=60, what="the front end up, the model loading")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        time.sleep(1.0)  # the core is in the load, blocked on the weights
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in [proc, *children]:  # a core blocked on the FIFO outlives a killed launcher: kill it too
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                p.kill()
+        proc.wait()
+    out = log.read_text()
+    assert children, "no engine-core process was started"
+    assert elapsed < 10 and code == 0, out[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=5)
+    assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert "did not stop within" not in out
+
+
+def _ready_status(port: int) -> int | None:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2.0).status_code
+    except httpx.HTTPError:
+        return None
 
 
 def test_drain_when_idle_stops_at_once(model_dir):

@@ -62,8 +62,11 @@ class EngineCoreHandle:
     _launcher_hold: object  # Connection: the write end; the launcher holds it until it exits
 
     def shutdown(self, timeout: float = 30.0) -> int | None:
-        """Ask the core to stop (it aborts what is left), wait, kill it if it does not go. Its exit code."""
+        """Ask the core to stop (it aborts what is left), wait, kill it if it does not go. Its exit code.
+        SIGTERM first: a core still loading the model dies of it at once (it reads no inbox until loaded; a
+        stop during a long load waited for the load, then the timeout); a loaded core ignores it."""
         if self.process.is_alive():
+            self.process.terminate()
             _send_once(self.spec.addresses.inbox, Codec(ToCore).encode(Shutdown()))
             self.process.join(timeout)
         if self.process.is_alive():
@@ -116,13 +119,18 @@ def _become_engine_core(log_level: str) -> None:
         setproctitle.setproctitle(PROCESS_TITLE)
     except ImportError:
         pass
-    # Ctrl-C, and a SIGTERM sent to the whole process group (systemd's default KillMode, `kill -- -PGID`), reach
-    # the core too: it must keep stepping while the front ends drain. The launcher stops it (Shutdown) after
-    # them; if the launcher is gone, its lifeline ends the core. (Seen on the H200: a group SIGTERM ended the
-    # core at once and every front end logged it as dead mid-drain.)
+    # Ctrl-C reaches the core too (the whole process group): the launcher decides. SIGTERM ends the core while
+    # it loads (nothing to drain yet); _ignore_sigterm() turns it off before the core says Ready.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _ignore_sigterm() -> None:
+    """A loaded core ignores SIGTERM: one sent to the whole process group (systemd's default KillMode,
+    `kill -- -PGID`) reaches it too, and it must keep stepping while the front ends drain. The launcher stops
+    it (Shutdown) after them; if the launcher is gone, its lifeline ends the core. (Seen on the H200: a group
+    SIGTERM ended the core at once and every front end logged it as dead mid-drain.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _bind(context: zmq.Context, addresses: CoreAddresses):
@@ -155,6 +163,7 @@ def _load(spec: EngineCoreSpec, outboxes, codec: Codec, lifeline_fd: int):
 
     freeze_startup_objects()  # full collections would walk the startup objects mid-step (engine/malloc.py)
     collect_young_less_often()
+    _ignore_sigterm()
     ready = Ready(str(engine.model_path), engine.tokenizer_path, engine.vocab_size, engine.max_model_len,
                   str(engine.device), engine.backend_name, engine.num_kv_blocks, core_stats(engine),
                   engine.block_size,
