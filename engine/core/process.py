@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import select
 import signal
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -103,13 +105,31 @@ def run_engine_core(spec: EngineCoreSpec, launcher_alive, core_alive) -> None:
     context = zmq.Context()
     inbox, outboxes = _bind(context, spec.addresses)
     codec = Codec(FromCore)
-    engine = _load(spec, outboxes, codec, launcher_alive.fileno())
+    loading = threading.Event()
+    threading.Thread(target=_exit_if_launcher_dies, args=(launcher_alive.fileno(), loading), daemon=True,
+                     name="kvserve-load-lifeline").start()
+    try:
+        engine = _load(spec, outboxes, codec, launcher_alive.fileno())
+    finally:
+        loading.set()
     if engine is None:
         raise SystemExit(1)
     from engine.core.loop import EngineCore
 
     EngineCore(engine, inbox, outboxes, launcher_alive.fileno()).run()
     del core_alive  # held until here: its closing tells the front ends the core is gone
+
+
+def _exit_if_launcher_dies(lifeline_fd: int, loaded: threading.Event) -> None:
+    """While the model loads: the launcher's death ends the core at once. The step loop watches the lifeline
+    only after the load, and a load can take minutes (or hang on storage: a killed launcher left a core blocked
+    on its weights for good, holding the GPU)."""
+    poller = select.poll()
+    poller.register(lifeline_fd, select.POLLIN)
+    while not loaded.is_set():
+        if poller.poll(200):
+            logger.error("the launcher is gone while the model loads: the engine core exits")
+            os._exit(1)
 
 
 def _become_engine_core(log_level: str) -> None:
