@@ -90,7 +90,10 @@ class PendingMasks:
 
 
 class _Worker:
-    """One grammar process: its sockets, and the futures of its compiles in flight (resolved by a thread)."""
+    """One grammar process: its sockets, and the futures of its compiles in flight. Its thread reads the worker's
+    Ready (on the step socket, which nothing else touches until then), sends the compiles queued meanwhile,
+    then resolves every Compiled. So a new worker starts without stopping the engine: the compiles wait for it,
+    the steps of unconstrained requests do not (a restart stalled every request 3-5 s on the CPU)."""
 
     def __init__(self, spec: bytes, mask_fd: int) -> None:
         self.context = zmq.Context()
@@ -101,17 +104,28 @@ class _Worker:
                  for s in (self.step, self.compile_sock, reply)]
         with tempfile.NamedTemporaryFile(prefix="kvserve-grammar-", suffix=".pkl", delete=False) as f:
             f.write(spec)
-        self.spec_file = f.name
         self.proc = subprocess.Popen([*WORKER_COMMAND, f.name, *addrs, str(mask_fd)],
                                      pass_fds=(mask_fd,), env=_worker_env())
         self.compiles: dict[int, tuple[Future, StructuredOutput]] = {}  # Compile.key -> (future, constraint)
         self.stopped = False
-        self.thread = threading.Thread(target=self._resolve_compiles, args=(reply,), daemon=True,
+        self.ready = threading.Event()  # set once the Ready is read, or the worker is given up
+        self.ready_error: str | None = None
+        self._lock = threading.Lock()  # the compile socket and its queue: the engine's thread and this one's
+        self._queued: list[bytes] | None = []  # compiles sent before Ready; None once Ready is read
+        self.thread = threading.Thread(target=self._serve, args=(reply, f.name), daemon=True,
                                        name="kvserve-grammar-replies")
         self.thread.start()
 
     def alive(self) -> bool:
         return not self.stopped and self.proc.poll() is None
+
+    def compile(self, data: bytes) -> None:
+        """Send a Compile now, or once the worker is ready."""
+        with self._lock:
+            if self._queued is None:
+                self.send(self.compile_sock, data)
+            else:
+                self._queued.append(data)
 
     def send(self, sock: zmq.Socket, data: bytes) -> None:
         """Send, waiting at most SEND_TIMEOUT_MS for the peer: a socket whose peer is gone (the worker closed
@@ -129,26 +143,41 @@ class _Worker:
 
     def wait_ready(self, timeout_s: float) -> str | None:
         """None once the worker is ready, else why not."""
-        deadline = time.monotonic() + timeout_s
+        if not self.ready.wait(timeout_s):
+            return f"no grammar process after {timeout_s:.0f} s"
+        return self.ready_error
+
+    def _serve(self, reply: zmq.Socket, spec_file: str) -> None:
+        with reply:
+            self._read_ready(spec_file)
+            with self._lock:
+                queued, self._queued = self._queued, None
+                for data in queued if self.ready_error is None else []:
+                    self.send(self.compile_sock, data)
+            self._resolve_compiles(reply)
+
+    def _read_ready(self, spec_file: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
         try:
             while not self.step.poll(POLL_MS):
                 if not self.alive() or time.monotonic() > deadline:
-                    return f"no grammar process (exit code {self.proc.poll()})"
-            return msgspec.msgpack.decode(self.step.recv(), type=Ready).error
+                    self.ready_error = f"no grammar process (exit code {self.proc.poll()})"
+                    return
+            self.ready_error = msgspec.msgpack.decode(self.step.recv(), type=Ready).error
         finally:
             with contextlib.suppress(FileNotFoundError):  # the worker removes it once read
-                os.unlink(self.spec_file)
+                os.unlink(spec_file)
+            self.ready.set()
 
     def _resolve_compiles(self, reply: zmq.Socket) -> None:
-        """The reply thread: each Compiled resolves its future (with the constraint, which new_grammar sends on).
-        Once the worker is gone every compile waiting, or registered later, fails, until stop()."""
+        """Each Compiled resolves its future (with the constraint, which new_grammar sends on). Once the worker
+        is gone every compile waiting, or registered later, fails, until stop()."""
         decoder = msgspec.msgpack.Decoder(Compiled)
-        with reply:
-            while not self.stopped:
-                if reply.poll(POLL_MS):
-                    _resolve(decoder.decode(reply.recv()), self.compiles)
-                elif self.proc.poll() is not None:
-                    _fail_all(self.compiles)
+        while not self.stopped:
+            if reply.poll(POLL_MS):
+                _resolve(decoder.decode(reply.recv()), self.compiles)
+            elif self.proc.poll() is not None:
+                _fail_all(self.compiles)
         _fail_all(self.compiles)
 
     def stop(self) -> None:
@@ -237,7 +266,7 @@ class GrammarLink:
             future, n = Future(), next(self._keys)
             self.worker.compiles[n] = (future, so)
             self._cache.put(key, future)
-            self.worker.send(self.worker.compile_sock, self._encoder.encode(Compile(n, so)))
+            self.worker.compile(self._encoder.encode(Compile(n, so)))
         return future
 
     def new_grammar(self, compiled: Future) -> RemoteGrammar:
@@ -260,6 +289,7 @@ class GrammarLink:
                 grammars.append(grammar)
         if not rows:
             return None
+        self.worker.wait_ready(READY_TIMEOUT_S)  # at once: these grammars were compiled by a ready worker
         if len(rows) > self.rows:
             raise RuntimeError(f"{len(rows)} constrained rows in a step; the masks hold {self.rows} (max_num_seqs)")
         dropped = self.dropped
@@ -311,7 +341,8 @@ class GrammarLink:
 
     # ---- the worker's life -----------------------------------------------------------------------
     def _check_worker(self) -> None:
-        """A lost worker is replaced: what it held is gone (those grammars are unknown to the new one)."""
+        """A lost worker is replaced: what it held is gone (those grammars are unknown to the new one). The new
+        one starts in the background (_Worker)."""
         if self.worker.alive():
             return
         logger.error("the grammar process exited (code %s): starting another", self.worker.proc.poll())
@@ -322,9 +353,6 @@ class GrammarLink:
         self.worker = _Worker(self._spec, self._mask_file.fileno())
         self.restarts += 1
         self._procs.append(self.worker.proc)
-        error = self.worker.wait_ready(READY_TIMEOUT_S)
-        if error is not None:
-            logger.error("the new grammar process did not start: %s", error)
 
     def shutdown(self) -> None:
         self.worker.stop()

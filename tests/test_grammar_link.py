@@ -265,6 +265,32 @@ def test_a_compile_waiting_on_a_dead_worker_fails(remote):
         link.shutdown()
 
 
+def test_a_restart_does_not_stop_the_engine(remote):
+    """A dead worker is replaced in the background: the compile that finds it dead returns at once (the new
+    worker takes seconds to import torch and the tokenizer; the engine used to wait for it, stalling every
+    request), its future resolves once the new worker is up, and that worker fills the masks."""
+    from engine.grammar import GrammarLimits
+
+    e = remote.engine
+    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, GrammarLimits(), "auto", 4)
+    try:
+        assert link.wait_ready() is None
+        link.worker.proc.kill()
+        link.worker.proc.wait()
+        start = time.monotonic()
+        compiled = link.compile(StructuredOutput(choice=["yes", "no"]))
+        returned_after = time.monotonic() - start
+        assert link.restarts == 1 and not link.worker.ready.is_set()  # the new worker was still starting
+        assert returned_after < 0.5
+        rows = [SimpleNamespace(grammar=link.new_grammar(compiled))]  # waits for the compile, so for the worker
+        batch = link.fill(rows)
+        assert not rows[0].grammar.broken and link.worker.alive()
+        allowed = int(sum(bin(w & 0xFFFFFFFF).count("1") for w in batch.bitmask[0].tolist()))
+        assert 0 < allowed < e.vocab_size
+    finally:
+        link.shutdown()
+
+
 def test_a_grammar_process_that_does_not_start_falls_back_to_the_engine_process(tiny_model_dir, monkeypatch,
                                                                                  caplog):
     import sys
