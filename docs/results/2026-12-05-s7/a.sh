@@ -9,4 +9,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
 pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_grammar_link.py -k cuda > "$out/link-cuda.log" 2>&1
 tail -2 "$out/link-cuda.log"
-timeout 450 bash docs/results/2026-12-05-s6/b.sh
+# The pair (s6/b.sh's, with arguments passed on to online_pair.py, e.g. --repeat 1 when the budget is short).
+if [ -d .carry/extra/vllm ]; then
+  mkdir -p .carry/vllm-extra && cp .carry/extra/vllm/*.whl .carry/vllm-extra/
+fi
+timeout 450 bash benchmarks/gpu_session.sh pair --deadline-s 420 "$@"
