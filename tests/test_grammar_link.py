@@ -55,6 +55,23 @@ def local(tiny_model_dir):
     return LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=False)
 
 
+@pytest.fixture
+def link(remote):
+    """A link of its own (4 rows), its worker ready; shut down after the test."""
+    from engine.grammar import GrammarLimits
+
+    e = remote.engine
+    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, GrammarLimits(), "auto", 4)
+    assert link.wait_ready() is None
+    yield link
+    link.shutdown()
+
+
+def kill_worker(link: GrammarLink) -> None:
+    link.worker.proc.kill()
+    link.worker.proc.wait()
+
+
 def test_the_engine_links_to_a_grammar_process(remote, local):
     assert isinstance(remote.engine.structured, GrammarLink)
     assert type(local.engine.structured) is StructuredOutputs
@@ -242,53 +259,36 @@ def test_masks_go_to_dev_shm_only_when_it_has_room(tmp_path):
     assert mask_dir(1 << 20, str(tmp_path / "absent")) is None
 
 
-def test_a_compile_waiting_on_a_dead_worker_fails(remote):
+def test_a_compile_waiting_on_a_dead_worker_fails(link):
     """A compile registered with a worker that has died (even after it died) fails within a moment, so no
     request waits forever for its grammar."""
     from concurrent.futures import Future
 
-    from engine.grammar import GrammarLimits
     from engine.grammar_link import GrammarProcessError
 
-    e = remote.engine
-    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, GrammarLimits(), "auto", 4)
-    try:
-        assert link.wait_ready() is None
-        link.worker.proc.kill()
-        link.worker.proc.wait()
-        time.sleep(0.5)
-        late = Future()
-        link.worker.compiles[12345] = (late, None)
-        with pytest.raises(GrammarProcessError):
-            late.result(timeout=5)
-    finally:
-        link.shutdown()
+    kill_worker(link)
+    time.sleep(0.5)
+    late = Future()
+    link.worker.compiles[12345] = (late, None)
+    with pytest.raises(GrammarProcessError):
+        late.result(timeout=5)
 
 
-def test_a_restart_does_not_stop_the_engine(remote):
+def test_a_restart_does_not_stop_the_engine(link, remote):
     """A dead worker is replaced in the background: the compile that finds it dead returns at once (the new
     worker takes seconds to import torch and the tokenizer; the engine used to wait for it, stalling every
     request), its future resolves once the new worker is up, and that worker fills the masks."""
-    from engine.grammar import GrammarLimits
-
-    e = remote.engine
-    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, GrammarLimits(), "auto", 4)
-    try:
-        assert link.wait_ready() is None
-        link.worker.proc.kill()
-        link.worker.proc.wait()
-        start = time.monotonic()
-        compiled = link.compile(StructuredOutput(choice=["yes", "no"]))
-        returned_after = time.monotonic() - start
-        assert link.restarts == 1 and not link.worker.ready.is_set()  # the new worker was still starting
-        assert returned_after < 0.5
-        rows = [SimpleNamespace(grammar=link.new_grammar(compiled))]  # waits for the compile, so for the worker
-        batch = link.fill(rows)
-        assert not rows[0].grammar.broken and link.worker.alive()
-        allowed = int(sum(bin(w & 0xFFFFFFFF).count("1") for w in batch.bitmask[0].tolist()))
-        assert 0 < allowed < e.vocab_size
-    finally:
-        link.shutdown()
+    kill_worker(link)
+    start = time.monotonic()
+    compiled = link.compile(StructuredOutput(choice=["yes", "no"]))
+    returned_after = time.monotonic() - start
+    assert link.restarts == 1 and not link.worker.ready.is_set()  # the new worker was still starting
+    assert returned_after < 0.5
+    rows = [SimpleNamespace(grammar=link.new_grammar(compiled))]  # waits for the compile, so for the worker
+    batch = link.fill(rows)
+    assert not rows[0].grammar.broken and link.worker.alive()
+    allowed = int(sum(bin(w & 0xFFFFFFFF).count("1") for w in batch.bitmask[0].tolist()))
+    assert 0 < allowed < remote.engine.vocab_size
 
 
 def test_a_grammar_process_that_does_not_start_falls_back_to_the_engine_process(tiny_model_dir, monkeypatch,
@@ -305,28 +305,20 @@ def test_a_grammar_process_that_does_not_start_falls_back_to_the_engine_process(
     assert tok.decode(run(llm, PROMPTS[:1], choice_params())[0], skip_special_tokens=True) in ("yes", "no", "maybe")
 
 
-def test_a_step_sent_to_a_worker_that_left_does_not_block(remote):
+def test_a_step_sent_to_a_worker_that_left_does_not_block(link):
     """The worker closed its socket without dying at once: the send does not block, the worker is killed,
     the step's rows allow every token and its grammars are broken."""
     import zmq
 
-    from engine.grammar import GrammarLimits
-
-    e = remote.engine
-    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, GrammarLimits(), "auto", 4)
-    try:
-        assert link.wait_ready() is None
-        so = StructuredOutput(choice=["yes", "no"])
-        rows = [SimpleNamespace(grammar=link.new_grammar(link.compile(so))) for _ in range(2)]
-        link.worker.step.close(linger=0)  # stands in for the peer gone: a fresh PAIR socket with no peer
-        link.worker.step = link.worker.context.socket(zmq.PAIR)
-        start = time.monotonic()
-        batch = link.start_fill(rows).result()
-        assert time.monotonic() - start < 10
-        assert bool((batch.bitmask == -1).all()) and all(r.grammar.broken for r in rows)
-        assert not link.worker.alive()
-    finally:
-        link.shutdown()
+    so = StructuredOutput(choice=["yes", "no"])
+    rows = [SimpleNamespace(grammar=link.new_grammar(link.compile(so))) for _ in range(2)]
+    link.worker.step.close(linger=0)  # stands in for the peer gone: a fresh PAIR socket with no peer
+    link.worker.step = link.worker.context.socket(zmq.PAIR)
+    start = time.monotonic()
+    batch = link.start_fill(rows).result()
+    assert time.monotonic() - start < 10
+    assert bool((batch.bitmask == -1).all()) and all(r.grammar.broken for r in rows)
+    assert not link.worker.alive()
 
 
 def test_a_failing_step_fails_its_requests_not_the_grammar_process():
