@@ -150,6 +150,8 @@ class _Worker:
     def _serve(self, reply: zmq.Socket, spec_file: str) -> None:
         with reply:
             self._read_ready(spec_file)
+            if self.ready_error is not None:
+                logger.error("the grammar process did not start: %s", self.ready_error)
             with self._lock:
                 queued, self._queued = self._queued, None
                 for data in queued if self.ready_error is None else []:
