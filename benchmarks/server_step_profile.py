@@ -32,7 +32,7 @@ from bench.models import build_random_model, parse_model_config  # noqa: E402
 from bench.pair_report import PairLoad  # noqa: E402
 from benchmarks.online_pair import SMOKE_CONFIG, bench_serve  # noqa: E402
 from benchmarks.profile_step import PartTimer  # noqa: E402
-from benchmarks.structured_step import SECTIONS  # noqa: E402
+from benchmarks.structured_step import wrap_sections  # noqa: E402
 
 STEP, BETWEEN = "step (all of it)", "between steps (core loop)"
 IDLE_GAP_S = 0.05  # a longer pause between two steps is the engine idle, not the loop's work
@@ -47,12 +47,7 @@ class ProfiledEngine:
         from engine.engine import LLMEngine
 
         engine, timer = LLMEngine(config), PartTimer()
-        for path, attr, name in SECTIONS:
-            obj = engine
-            for part in filter(None, path.split(".")):
-                obj = getattr(obj, part, None)
-            if obj is not None and hasattr(obj, attr):
-                timer.wrap(obj, attr, name)
+        wrap_sections(engine, timer)
         _time_steps(engine, timer)
         threading.Thread(target=_write_totals, args=(timer, self.out), daemon=True, name="profile-dump").start()
         return engine
@@ -191,27 +186,15 @@ def main() -> None:
         raw.mkdir()
         server = Server(config, totals)
         try:
-            _wait_ready(server.url)
+            # Until /ready: the core's death while loading ends the wait (its log went to this stderr).
+            server_procs.wait_ready(server_procs.ServerProc("kvserve", server.core.process.pid, server.url,
+                                                            Path(tmp) / "no.log"), "/ready", 600)
             rows = measure(server, totals, args, raw)
         finally:
             server.stop()
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": sys.argv,
                                     "rows": rows}, indent=1))
     print(f"wrote {args.out}")
-
-
-def _wait_ready(url: str, timeout_s: float = 600.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
 if __name__ == "__main__":

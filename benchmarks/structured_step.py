@@ -60,14 +60,19 @@ def requests(llm: LLM, batch: int, fraction: float) -> tuple[list[list[int]], li
     return prompts, params
 
 
-def timed_run(llm: LLM, prompts, params) -> dict:
-    engine, timer = llm.engine, PartTimer()
+def wrap_sections(engine, timer: PartTimer) -> None:
+    """Time each of SECTIONS the engine has (benchmarks/server_step_profile.py does the same in a server's core)."""
     for path, attr, name in SECTIONS:
         obj = engine
         for part in filter(None, path.split(".")):
             obj = getattr(obj, part, None)
         if obj is not None and hasattr(obj, attr):
             timer.wrap(obj, attr, name)
+
+
+def timed_run(llm: LLM, prompts, params) -> dict:
+    engine, timer = llm.engine, PartTimer()
+    wrap_sections(engine, timer)
     timer.wrap(engine, "step", "step (all of it)")
     start = time.perf_counter()
     try:
