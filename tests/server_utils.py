@@ -213,10 +213,10 @@ def sse_events(response: httpx.Response) -> list:
 
 
 def start_server_process(args: list[str], env: dict | None = None, port: int | None = None,
-                         prefix: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+                         prefix: list[str] | None = None, wait: bool = True) -> tuple[subprocess.Popen, str]:
     """`python -m server serve ARGS --port PORT` as a subprocess (output to a temporary file, so a chatty
-    server never blocks on a full pipe); returns it once /ready is 200. `prefix` runs it under a wrapper
-    (`prlimit --nofile=256`)."""
+    server never blocks on a full pipe); returns it once /ready is 200 (at once with wait=False). `prefix`
+    runs it under a wrapper (`prlimit --nofile=256`)."""
     port = port or free_port()
     cmd = [*(prefix or []), sys.executable, "-m", "server", "serve", "--port", str(port), *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
@@ -224,6 +224,8 @@ def start_server_process(args: list[str], env: dict | None = None, port: int | N
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log = log
     base_url = f"http://127.0.0.1:{port}"
+    if not wait:
+        return proc, base_url
     try:
         wait_ready(base_url, proc=proc)
     except Exception:

@@ -11,8 +11,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from server_utils import (REPO, Faults, ServerThread, faulty_engine, free_port, start_server_process, stop_process,
+from server_utils import (Faults, ServerThread, faulty_engine, free_port, start_server_process, stop_process,
                           wait_for)
 
 
@@ -102,14 +100,11 @@ def test_a_stop_while_the_model_loads_ends_every_process(model_dir, tmp_path, si
     for weights in hanging.glob("*.safetensors"):
         weights.unlink()
         os.mkfifo(weights)
-    port, log = free_port(), tmp_path / "server.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--model", str(hanging), "--device",
-                                 "cpu", "--port", str(port), "--shutdown-timeout", "60"], cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=sink, stderr=subprocess.STDOUT)
+    proc, base = start_server_process(["--model", str(hanging), "--device", "cpu", "--shutdown-timeout", "60"],
+                                      wait=False)
     children = []
     try:
-        wait_for(lambda: _ready_status(port) == 503, timeout=60, what="the front end up, the model loading")
+        wait_for(lambda: _ready_status(base) == 503, timeout=60, what="the front end up, the model loading")
         children = psutil.Process(proc.pid).children(recursive=True)
         time.sleep(1.0)  # the core is in the load, blocked on the weights
         t0 = time.monotonic()
@@ -118,20 +113,19 @@ def test_a_stop_while_the_model_loads_ends_every_process(model_dir, tmp_path, si
         _, alive = psutil.wait_procs(children, timeout=10)
         elapsed = time.monotonic() - t0
     finally:
-        for p in [proc, *children]:  # what outlived the test (a core blocked on the FIFO) goes now
-            with contextlib.suppress(psutil.Error, ProcessLookupError):
+        for p in children:  # what outlived the test (a core blocked on the FIFO) goes now
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-        proc.wait()
-    out = log.read_text()
+        _, out = stop_process(proc, sig=signal.SIGKILL)
     assert children, "no engine-core process was started"
     assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], out[-3000:]
     assert elapsed < 10 and code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), out[-3000:]
     assert "did not stop within" not in out
 
 
-def _ready_status(port: int) -> int | None:
+def _ready_status(base_url: str) -> int | None:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2.0).status_code
+        return httpx.get(base_url + "/ready", timeout=2.0).status_code
     except httpx.HTTPError:
         return None
 
