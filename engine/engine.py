@@ -218,25 +218,29 @@ class LLMEngine:
         return self.pipeline_masks and self.async_scheduling and not self._num_history_requests
 
     def _step_behind_masks(self) -> list[StepOutput]:
-        """Step N+1 is launched and waits for its grammar masks, step N is sampled. Finish N (the matchers
-        consume its tokens, then N+1's masks start filling in the mask thread), schedule and prepare N+2
-        meanwhile, then sample N+1 and queue N+2 right behind it. Offline W-B at json 100%
-        (benchmarks/structured_step.py, docs/results/2026-12-05-s5/c): 6.3-8.6 ms a step, serially 9.2 ms."""
+        """Step N+1 is launched and waits for its grammar masks. Schedule and prepare N+2 while they fill, sample
+        N+1 and queue N+2 right behind it, then read N+1's tokens (the device has N+2 to run meanwhile): the
+        matchers consume them and N+2's masks start filling before this call returns, so they fill while the
+        caller sends the outputs (the engine core's loop: ~1-2 ms for 256 requests). Filled at the next call
+        instead, that loop's time was on the chain tokens -> masks -> sample: through the server W-B at json 100%
+        ran 0.69x of json 0% against 0.92-1.01x offline (docs/benchmarks.md, seventh session)."""
         outputs, unsampled = [], self._unsampled
-        if self._inflight is not None:
+        if self._inflight is not None:  # the step before the first constrained one
             outputs += self._finish(self._inflight, unsampled[1])
+            self._inflight = None
         elif unsampled[1].masks is None:
             self.runner.start_masks(unsampled[1])
         sched_out = self.scheduler.schedule()
         prepared = self._prepare(sched_out, outputs)
         self._unsampled = None
-        self._inflight = self._sample(unsampled, outputs)
+        sampled = self._sample(unsampled, outputs)
         launched = None if prepared is None else self._enqueue(sched_out, prepared, outputs)
-        if launched is not None and launched[1].logits is not None:
+        constrained = launched is not None and launched[1].logits is not None
+        if sampled is not None:
+            outputs += self._finish(sampled, launched[1] if constrained else None)
+        if constrained:
             self._unsampled = launched
-        elif launched is not None:  # unconstrained: it sampled already, so N+1 is read now, behind it
-            if self._inflight is not None:
-                outputs += self._finish(self._inflight)
+        else:  # unconstrained: it sampled already, and is read at the next call
             self._inflight = launched
         return outputs
 

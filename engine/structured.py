@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,7 @@ class StructuredOutputs:
         self._executor = None  # llguidance.LLExecutor, made on the first fill
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
         self._fills: ThreadPoolExecutor | None = None  # start_fill's thread, made on first use
+        self._filling: Future | None = None  # the last start_fill's job: a fill may outlive its step() call
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
         self._masking = Masking()
         self.switch_interval_s: float | None = MASK_SWITCH_INTERVAL_S  # None: the interpreter's is kept
@@ -103,6 +104,10 @@ class StructuredOutputs:
         return matcher
 
     def new_grammar(self, compiled: Future) -> Grammar | XgrGrammar:
+        """A matcher of its own; made only while no fill runs (the mask thread reads the matchers, and a fill
+        started at the end of one step() call runs on into the next: engine.LLMEngine._step_behind_masks)."""
+        if self._filling is not None:
+            wait([self._filling])
         pristine = compiled.result()
         if isinstance(pristine, XgrCompiled):
             return pristine.new_grammar()
@@ -123,7 +128,8 @@ class StructuredOutputs:
             # The mask thread's fill returns only once it gets the GIL back: with CPython's default 5 ms switch
             # interval a 4.5 ms fill beside a busy engine thread took 10 ms, at 0.2 ms 5.4 ms. Process-wide.
             sys.setswitchinterval(self.switch_interval_s)
-        return self._fills.submit(self._fill_rows, *self._constrained_rows(requests))
+        self._filling = self._fills.submit(self._fill_rows, *self._constrained_rows(requests))
+        return self._filling
 
     def fill(self, requests: list[Request]) -> MaskBatch | None:
         """The bitmasks of the rows under a grammar: xgrammar's rows by its batch fill, llguidance's by its

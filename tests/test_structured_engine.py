@@ -179,7 +179,8 @@ def _log_calls(obj, name: str, log: list) -> None:
 def test_pipelined_steps_prepare_the_next_step_before_sampling(tiny_model_dir, reference):
     """Async scheduling through the decode graphs' staging (no capture, on the CPU): a constrained step is
     sampled only after the step behind it is scheduled and its inputs staged, its masks fill in the mask
-    thread, and the outputs are those of the synchronous run, constrained and free."""
+    thread (started before step() returns), and the outputs are those of the synchronous run, constrained
+    and free."""
     _, free, constrained = reference
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, async_scheduling=True, max_num_seqs=8)
     runner = llm.engine.runner
@@ -190,9 +191,20 @@ def test_pipelined_steps_prepare_the_next_step_before_sampling(tiny_model_dir, r
     structured, started = llm.engine.structured, []
     real_start = structured.start_fill
     structured.start_fill = lambda reqs: started.append(len(reqs)) or real_start(reqs)
+    eng, filling = llm.engine, []
+    real_step = eng.step
+
+    def step():  # whether the launched step's masks were filling when step() returned
+        outputs = real_step()
+        filling.append(eng._unsampled is not None and eng._unsampled[1].masks is not None)
+        return outputs
+
+    eng.step = step
     prompts = [p for pair in zip(PROMPTS, PROMPTS) for p in pair]
     out = run(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=24), json_params()] * len(PROMPTS))
     assert out[0::2] == free and out[1::2] == constrained
+    # The next step's masks start filling before step() returns (while the caller sends the outputs).
+    assert sum(filling) >= max(len(ids) for ids in constrained) - 2, filling
     order = "".join({"prepare": "p", "sample": "s", "stage": "g"}[c] for c in calls)
     assert order.count("pgs") > 10, order  # prepared (staged in the graph's buffers), then the previous sampled
     assert len(started) >= max(len(ids) for ids in constrained) - 1  # every decode step's masks in the thread
@@ -204,7 +216,8 @@ def test_no_matcher_is_made_while_the_mask_thread_works(tiny_model_dir):
     matcher made) would race it. Under async scheduling, with the thread slowed down, a free request runs
     throughout and short constrained ones arrive two steps in a row, again and again (each first constrained
     step after free ones is where a fill could outlive its step() call): no matcher was made while the thread
-    worked, and no request failed."""
+    worked, and no request failed. Three arrivals in a row: the third is admitted while the fill that the
+    previous step() call started at its end still runs (engine.LLMEngine._step_behind_masks)."""
     import threading
     import time
 
@@ -222,11 +235,16 @@ def test_no_matcher_is_made_while_the_mask_thread_works(tiny_model_dir):
             busy.clear()
 
     structured._fill_rows = slow_job
-    structured.new_grammar = lambda compiled: clashes.append(busy.is_set()) or real_new(compiled)
+    def new_grammar(compiled):  # checked once the matcher is made (new_grammar may wait for the fill first)
+        grammar = real_new(compiled)
+        clashes.append(busy.is_set())
+        return grammar
+
+    structured.new_grammar = new_grammar
     eng.add_request("free", tok.encode(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True))
     finished, added, step = {}, 0, 0
     while eng.has_unfinished_requests():
-        if step % 6 in (2, 3) and added < 16:
+        if step % 6 in (2, 3, 4) and added < 16:
             eng.add_request(f"c{added}", tok.encode(PROMPTS[added % 4]), json_params(max_tokens=3))
             added += 1
         finished.update({o.request_id: o.finish_reason for o in eng.step() if o.finish_reason is not None})
