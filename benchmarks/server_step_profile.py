@@ -49,7 +49,7 @@ class ProfiledEngine:
         engine, timer = LLMEngine(config), PartTimer()
         wrap_sections(engine, timer)
         _time_steps(engine, timer)
-        threading.Thread(target=_write_totals, args=(timer, self.out), daemon=True, name="profile-dump").start()
+        threading.Thread(target=_write_totals, args=(timer, engine, self.out), daemon=True, name="profile-dump").start()
         return engine
 
 
@@ -72,11 +72,17 @@ def _time_steps(engine, timer: PartTimer) -> None:
     engine.step = timed
 
 
-def _write_totals(timer: PartTimer, out: str) -> None:
+def _worker_totals(engine) -> dict:
+    """The grammar process's own time (engine/grammar_link.py worker_s), if the engine has one."""
+    times = getattr(engine.structured, "worker_s", None) or {}
+    return {f"grammar process: {name}": seconds for name, seconds in times.items()}
+
+
+def _write_totals(timer: PartTimer, engine, out: str) -> None:
     while True:
         time.sleep(0.5)
         try:
-            snapshot = {"totals": dict(timer.totals), "calls": dict(timer.calls)}
+            snapshot = {"totals": {**dict(timer.totals), **_worker_totals(engine)}, "calls": dict(timer.calls)}
         except RuntimeError:  # a section added mid-copy: next time
             continue
         Path(out + ".tmp").write_text(json.dumps(snapshot))

@@ -247,6 +247,7 @@ class GrammarLink:
         self._buffer = 0
         self._outstanding: PendingMasks | None = None
         self.live = 0  # matchers the worker holds, as of its last Filled
+        self.worker_s = {"accept": 0.0, "fill": 0.0}  # the worker's own time, summed over its Filled answers
         self.restarts = 0  # workers started after one died
         self._encoder = msgspec.msgpack.Encoder()
         self._filled = msgspec.msgpack.Decoder(Filled)
@@ -324,6 +325,8 @@ class GrammarLink:
         for gid, why in zip(filled.broken, filled.why):
             by_gid[gid].broken = why
         self.live = filled.live
+        self.worker_s["accept"] += filled.accept_s
+        self.worker_s["fill"] += filled.fill_s
         return MaskBatch(pending.rows, rows)
 
     def _receive(self, pending: PendingMasks) -> Filled | None:

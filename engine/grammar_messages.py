@@ -54,4 +54,6 @@ class Filled(msgspec.Struct, tag=True, array_like=True, gc=False):
     broken: list[int]
     why: list[str]
     live: int
+    accept_s: float = 0.0  # the worker's time consuming the step's tokens, then filling its rows: where a
+    fill_s: float = 0.0    # constrained step's wait for its masks goes (benchmarks/server_step_profile.py)
 

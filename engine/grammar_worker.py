@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 import threading
 from dataclasses import dataclass
 
@@ -84,11 +85,15 @@ class Worker:
     def _step(self, msg: Step) -> Filled:
         for new in msg.new:
             self._new(new)
+        start = time.perf_counter()
         self._accept(msg.accept_gids, msg.accept_tokens)
+        accepted = time.perf_counter()
         for gid in msg.drop:
             self.matchers.pop(gid, None)
             self.broken.pop(gid, None)
-        return self._fill(msg.seq, msg.fill, self.masks[msg.buffer])
+        filled = self._fill(msg.seq, msg.fill, self.masks[msg.buffer])
+        filled.accept_s, filled.fill_s = accepted - start, time.perf_counter() - accepted
+        return filled
 
     def _new(self, new: NewMatcher) -> None:
         try:
