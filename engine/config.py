@@ -54,6 +54,9 @@ class EngineConfig:
     # The matchers in a grammar process of their own (engine/grammar_worker.py), off the engine's GIL.
     # None: on CUDA only (on a 2-core machine the process shares the cores the engine needs).
     structured_outputs_process: bool | None = None
+    # How many grammar processes share the matchers (each consumes and fills its own rows, all at once). None:
+    # one per 4 host cores, at most 4 (1 on small hosts).
+    structured_outputs_processes: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,6 +76,8 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         need(self.grammar_max_size >= 1 and self.grammar_compile_fuel >= 1,
              "grammar_max_size and grammar_compile_fuel must be >= 1")
+        need(self.structured_outputs_processes is None or self.structured_outputs_processes >= 1,
+             "structured_outputs_processes must be >= 1")
         need(self.structured_outputs_backend in GRAMMAR_BACKENDS,
              f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}, got {self.structured_outputs_backend!r}")
         need(self.structured_outputs_backend != "xgrammar" or grammar_xgr.available(),

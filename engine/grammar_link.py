@@ -34,7 +34,7 @@ import zmq
 
 from engine.grammar import LRU, GrammarLimits
 from engine.grammar_messages import Compile, Compiled, Filled, NewMatcher, Ready, Step
-from engine.grammar_worker import MASK_BUFFERS, WorkerSpec, mask_buffers
+from engine.grammar_worker import MASK_BUFFERS, OTHERS, WorkerSpec, mask_buffers
 from engine.request import Request, RequestError, StructuredOutput
 from engine.structured import CACHE_SIZE, Masking, MaskBatch
 
@@ -53,33 +53,55 @@ class GrammarProcessError(RuntimeError):
         self.message = message
 
 
-class RemoteGrammar:
-    """One completion's grammar, held by the worker under `gid`."""
-    __slots__ = ("gid", "link", "broken")
+class Shard:
+    """One grammar process, and what its next Step carries: the matchers made, the tokens consumed and the
+    matchers dropped since its last one. A grammar lives in one shard (its gid modulo their number)."""
+    __slots__ = ("index", "worker", "new", "accept_gids", "accept_tokens", "dropped", "live")
 
-    def __init__(self, gid: int, link: GrammarLink) -> None:
-        self.gid, self.link, self.broken = gid, link, None
+    def __init__(self, index: int, worker: _Worker) -> None:
+        self.index, self.worker, self.live = index, worker, 0
+        self.new: list[NewMatcher] = []
+        self.accept_gids: list[int] = []
+        self.accept_tokens: list[int] = []
+        self.dropped: deque[int] = deque()
+
+    def take_step(self, fill: list[int], buffer: int, seq: int) -> Step:
+        """The Step of what accumulated, filling `fill`'s rows; the lists start over."""
+        dropped = self.dropped
+        step = Step(self.new, self.accept_gids, self.accept_tokens, [dropped.popleft() for _ in range(len(dropped))],
+                    fill, buffer, seq)
+        self.new, self.accept_gids, self.accept_tokens = [], [], []
+        return step
+
+
+class RemoteGrammar:
+    """One completion's grammar, held by its shard's worker under `gid`."""
+    __slots__ = ("gid", "shard", "broken")
+
+    def __init__(self, gid: int, shard: Shard) -> None:
+        self.gid, self.shard, self.broken = gid, shard, None
 
     def accept(self, token: int) -> bool:
         """Recorded for the next Step; False once the worker said this grammar is broken."""
-        self.link.accept_gids.append(self.gid)
-        self.link.accept_tokens.append(token)
+        self.shard.accept_gids.append(self.gid)
+        self.shard.accept_tokens.append(token)
         return self.broken is None
 
     def error(self) -> str | None:
         return self.broken
 
     def __del__(self) -> None:
-        self.link.dropped.append(self.gid)  # a deque: safe whenever the collector runs this
+        self.shard.dropped.append(self.gid)  # a deque: safe whenever the collector runs this
 
 
 class PendingMasks:
-    """A Step sent to the worker; result() waits for its Filled (once: a second call returns the same masks)."""
-    __slots__ = ("link", "worker", "rows", "grammars", "buffer", "seq", "batch")
+    """Steps sent to the shards' workers; result() waits for every Filled (once: a second call returns the same
+    masks). `sent`: (shard, worker) pairs that were sent one."""
+    __slots__ = ("link", "sent", "rows", "grammars", "buffer", "seq", "batch")
 
-    def __init__(self, link: GrammarLink, worker: _Worker, rows: list[int], grammars: list, buffer: int,
-                 seq: int) -> None:
-        self.link, self.worker, self.rows, self.grammars, self.buffer = link, worker, rows, grammars, buffer
+    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, _Worker]], rows: list[int], grammars: list,
+                 buffer: int, seq: int) -> None:
+        self.link, self.sent, self.rows, self.grammars, self.buffer = link, sent, rows, grammars, buffer
         self.seq = seq
         self.batch: MaskBatch | None = None
 
@@ -222,86 +244,107 @@ def _worker_env() -> dict[str, str]:
 
 
 class GrammarLink:
-    """StructuredOutputs' interface for the engine, the matchers in a grammar process."""
+    """StructuredOutputs' interface for the engine, the matchers in `processes` grammar processes (shards).
+    Each consumes its grammars' tokens and fills their rows of one shared bitmask, all at once: xgrammar's
+    consume holds the GIL and its batch fill gained little past 8 threads in one process (sixth session)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits, backend: str,
-                 max_rows: int) -> None:
+                 max_rows: int, processes: int = 1) -> None:
         from engine.grammar_xgr import available as xgrammar_available
 
         self.args = (hf_tokenizer, vocab_size, eos_ids, limits, backend)  # StructuredOutputs' (the fallback)
         self.use_xgrammar = backend == "xgrammar" or backend == "auto" and xgrammar_available()
         self.words, self.rows = (vocab_size + 31) // 32, max_rows
-        self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows))
+        threads = None if processes == 1 else max(1, (os.cpu_count() or 2) // (2 * processes))
+        self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows,
+                                             threads))
         nbytes = MASK_BUFFERS * max_rows * self.words * 4
         self._mask_file = tempfile.TemporaryFile(dir=mask_dir(nbytes))
         os.ftruncate(self._mask_file.fileno(), nbytes)
         self.masks = mask_buffers(self._mask_file.fileno(), max_rows, self.words)
         self._pinned = _pin(self.masks)
         self._masking = Masking()
-        self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[StructuredOutput], compiled in the worker
+        self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[StructuredOutput], compiled in the workers
         self._keys, self._gids, self._seqs = itertools.count(), itertools.count(), itertools.count()
-        self.new: list[NewMatcher] = []
-        self.accept_gids: list[int] = []
-        self.accept_tokens: list[int] = []
-        self.dropped: deque[int] = deque()
         self._buffer = 0
         self._outstanding: PendingMasks | None = None
-        self.live = 0  # matchers the worker holds, as of its last Filled
-        self.worker_s = {"accept": 0.0, "fill": 0.0}  # the worker's own time, summed over its Filled answers
+        self.worker_s = {"accept": 0.0, "fill": 0.0}  # the slowest worker's own time per step, summed
         self.restarts = 0  # workers started after one died
         self._encoder = msgspec.msgpack.Encoder()
         self._filled = msgspec.msgpack.Decoder(Filled)
-        self.worker = _Worker(self._spec, self._mask_file.fileno())
-        self._procs = [self.worker.proc]  # every worker started, killed when the link is collected or at exit
+        self.shards = [Shard(k, self._start_worker()) for k in range(processes)]
+        self._procs = [shard.worker.proc for shard in self.shards]  # every worker started, killed at exit
         weakref.finalize(self, _kill, self._procs)
 
+    @property
+    def worker(self) -> _Worker:
+        """The first shard's worker (the only one by default)."""
+        return self.shards[0].worker
+
+    @property
+    def live(self) -> int:
+        """Matchers the workers hold, as of their last Filled (tests check that none leak)."""
+        return sum(shard.live for shard in self.shards)
+
+    def _start_worker(self) -> _Worker:
+        return _Worker(self._spec, self._mask_file.fileno())
+
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str | None:
-        """None once the worker is ready, else why not (the engine then fills masks in its own process)."""
-        return self.worker.wait_ready(timeout_s)
+        """None once every worker is ready, else why not (the engine then fills masks in its own process)."""
+        for shard in self.shards:
+            error = shard.worker.wait_ready(timeout_s)
+            if error is not None:
+                return error
+        return None
 
     # ---- compiling -------------------------------------------------------------------------------
     def compile(self, so: StructuredOutput) -> Future:
-        """A future of the constraint, resolved once the worker has compiled it."""
-        self._check_worker()
+        """A future of the constraint, resolved once every worker has compiled it."""
+        self._check_workers()
         key = so.key()
         future = self._cache.get(key)
         if future is None:
             future, n = Future(), next(self._keys)
-            self.worker.compiles[n] = (future, so)
+            pieces = [Future() for _ in self.shards]
+            _all_of(pieces, future)
+            data = self._encoder.encode(Compile(n, so))
+            for shard, piece in zip(self.shards, pieces):
+                shard.worker.compiles[n] = (piece, so)
+                shard.worker.compile(data)
             self._cache.put(key, future)
-            self.worker.compile(self._encoder.encode(Compile(n, so)))
         return future
 
     def new_grammar(self, compiled: Future) -> RemoteGrammar:
-        grammar = RemoteGrammar(next(self._gids), self)
-        self.new.append(NewMatcher(grammar.gid, compiled.result()))
-        return grammar
+        gid = next(self._gids)
+        shard = self.shards[gid % len(self.shards)]
+        shard.new.append(NewMatcher(gid, compiled.result()))
+        return RemoteGrammar(gid, shard)
 
     # ---- masks -----------------------------------------------------------------------------------
     def start_fill(self, requests: list[Request]) -> PendingMasks | None:
-        """Send the tokens consumed since the last Step, the new and dropped matchers, and the rows to fill."""
-        self._check_worker()
+        """Send each shard the tokens consumed since its last Step, its new and dropped matchers, and the rows
+        to fill (-1 where another shard's)."""
+        self._check_workers()
         if self._outstanding is not None:  # its step failed before sampling: read its answer, use nothing
             self._outstanding.result()
-        rows, gids, grammars = [], [], []
+        rows, grammars = [], []
         for i, r in enumerate(requests):
-            grammar = r.grammar
-            if grammar is not None:
+            if r.grammar is not None:
                 rows.append(i)
-                gids.append(grammar.gid)
-                grammars.append(grammar)
+                grammars.append(r.grammar)
         if not rows:
             return None
-        self.worker.wait_ready(READY_TIMEOUT_S)  # at once: these grammars were compiled by a ready worker
         if len(rows) > self.rows:
             raise RuntimeError(f"{len(rows)} constrained rows in a step; the masks hold {self.rows} (max_num_seqs)")
-        dropped = self.dropped
-        seq = next(self._seqs)
-        step = Step(self.new, self.accept_gids, self.accept_tokens, [dropped.popleft() for _ in range(len(dropped))],
-                    gids, self._buffer, seq)
-        self.new, self.accept_gids, self.accept_tokens = [], [], []
-        self.worker.send(self.worker.step, self._encoder.encode(step))
-        self._outstanding = PendingMasks(self, self.worker, rows, grammars, self._buffer, seq)
+        fills = [[OTHERS] * len(rows) for _ in self.shards]
+        for i, grammar in enumerate(grammars):
+            fills[grammar.shard.index][i] = grammar.gid
+        seq, sent = next(self._seqs), []
+        for shard, fill in zip(self.shards, fills):  # every shard: its drops and tokens go too, rows or not
+            shard.worker.wait_ready(READY_TIMEOUT_S)  # at once: these grammars were compiled by ready workers
+            shard.worker.send(shard.worker.step, self._encoder.encode(shard.take_step(fill, self._buffer, seq)))
+            sent.append((shard, shard.worker))
+        self._outstanding = PendingMasks(self, sent, rows, grammars, self._buffer, seq)
         self._buffer = (self._buffer + 1) % MASK_BUFFERS
         return self._outstanding
 
@@ -310,32 +353,32 @@ class GrammarLink:
         return None if pending is None else pending.result()
 
     def _collect(self, pending: PendingMasks) -> MaskBatch:
-        """Wait for the worker's Filled of this step (answers to steps given up on are skipped); a broken grammar
-        learns why. A lost worker: every row allows every token, and every grammar of the step is broken."""
+        """Wait for every shard's Filled of this step (answers to steps given up on are skipped); a broken
+        grammar learns why. A lost worker: its rows allow every token, and its grammars of the step are broken."""
         if self._outstanding is pending:
             self._outstanding = None
         rows = self.masks[pending.buffer, :len(pending.rows)]
-        filled = self._receive(pending)
-        if filled is None:
-            rows.fill_(-1)
-            for grammar in pending.grammars:
-                grammar.broken = LOST
-            return MaskBatch(pending.rows, rows)
-        by_gid = {g.gid: g for g in pending.grammars} if filled.broken else None
-        for gid, why in zip(filled.broken, filled.why):
-            by_gid[gid].broken = why
-        self.live = filled.live
-        self.worker_s["accept"] += filled.accept_s
-        self.worker_s["fill"] += filled.fill_s
+        accept_s = fill_s = 0.0
+        for shard, worker in pending.sent:
+            filled = self._receive(worker, pending.seq)
+            if filled is None:
+                _lose(shard, pending.grammars, rows)
+                continue
+            by_gid = {g.gid: g for g in pending.grammars} if filled.broken else None
+            for gid, why in zip(filled.broken, filled.why):
+                by_gid[gid].broken = why
+            shard.live = filled.live
+            accept_s, fill_s = max(accept_s, filled.accept_s), max(fill_s, filled.fill_s)
+        self.worker_s["accept"] += accept_s
+        self.worker_s["fill"] += fill_s
         return MaskBatch(pending.rows, rows)
 
-    def _receive(self, pending: PendingMasks) -> Filled | None:
-        """The Filled with the pending step's seq, or None if its worker is gone."""
-        worker = pending.worker
-        while worker is self.worker:
+    def _receive(self, worker: _Worker, seq: int) -> Filled | None:
+        """The worker's Filled with this seq, or None if the worker is gone (or was replaced)."""
+        while any(shard.worker is worker for shard in self.shards):
             if worker.step.poll(POLL_MS):
                 filled = self._filled.decode(worker.step.recv())
-                if filled.seq == pending.seq:
+                if filled.seq == seq:
                     return filled
             elif not worker.alive():
                 return None
@@ -344,26 +387,56 @@ class GrammarLink:
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         self._masking.apply(logits, batch)
 
-    # ---- the worker's life -----------------------------------------------------------------------
-    def _check_worker(self) -> None:
-        """A lost worker is replaced: what it held is gone (those grammars are unknown to the new one). The new
-        one starts in the background (_Worker)."""
-        if self.worker.alive():
-            return
-        logger.error("the grammar process exited (code %s): starting another", self.worker.proc.poll())
-        self.worker.stop()
-        self._cache = LRU(CACHE_SIZE)
-        self.new, self.accept_gids, self.accept_tokens, self._outstanding = [], [], [], None
-        self.dropped.clear()
-        self.worker = _Worker(self._spec, self._mask_file.fileno())
-        self.restarts += 1
-        self._procs.append(self.worker.proc)
+    # ---- the workers' lives ----------------------------------------------------------------------
+    def _check_workers(self) -> None:
+        """A lost worker is replaced: what it held is gone (those grammars are unknown to the new one), and every
+        compiled constraint is compiled again (the new worker has none). It starts in the background."""
+        for shard in self.shards:
+            if shard.worker.alive():
+                continue
+            logger.error("a grammar process exited (code %s): starting another", shard.worker.proc.poll())
+            shard.worker.stop()
+            self._cache = LRU(CACHE_SIZE)
+            self._outstanding = None
+            shard.new, shard.accept_gids, shard.accept_tokens = [], [], []
+            shard.dropped.clear()
+            shard.worker = self._start_worker()
+            self.restarts += 1
+            self._procs.append(shard.worker.proc)
 
     def shutdown(self) -> None:
-        self.worker.stop()
+        for shard in self.shards:
+            shard.worker.stop()
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
         self._mask_file.close()
+
+
+def _lose(shard: Shard, grammars: list, rows: torch.Tensor) -> None:
+    """A shard's worker is gone: its rows of the step allow every token, its grammars there are broken."""
+    for i, grammar in enumerate(grammars):
+        if grammar.shard is shard:
+            rows[i].fill_(-1)
+            grammar.broken = LOST
+
+
+def _all_of(pieces: list[Future], future: Future) -> None:
+    """`future` takes the first piece's result once every piece is done, or the first exception among them."""
+    lock, left = threading.Lock(), [len(pieces)]
+
+    def done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        error = next((p.exception() for p in pieces if p.exception() is not None), None)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(pieces[0].result())
+
+    for piece in pieces:
+        piece.add_done_callback(done)
 
 
 def mask_dir(nbytes: int, shm: str = "/dev/shm") -> str | None:

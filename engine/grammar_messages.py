@@ -42,7 +42,7 @@ class Step(msgspec.Struct, tag=True, array_like=True, gc=False):
     accept_gids: list[int]  # each of these matchers consumes the token at the same index of accept_tokens
     accept_tokens: list[int]
     drop: list[int]
-    fill: list[int]  # row i of the buffer gets the mask of matcher fill[i]
+    fill: list[int]  # row i of the buffer gets the mask of matcher fill[i]; -1: another process's row
     buffer: int
     seq: int  # echoed in the Filled: the engine skips the answer to a step it gave up on
 

@@ -30,6 +30,7 @@ from engine.request import RequestError
 PARENT_CHECK_MS = 1000  # how often an idle worker checks that its engine still lives
 MASK_BUFFERS = 2  # the engine alternates them, so a buffer is not rewritten while its copy to the device runs
 UNKNOWN = "the grammar process holds no grammar for this request (it was restarted)"
+OTHERS = -1  # a Step's fill entry for a row another grammar process fills (GrammarLink shares the rows)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class WorkerSpec:
     limits: GrammarLimits
     backend: str
     rows: int  # rows of each mask buffer: the engine's max_num_seqs
+    fill_threads: int | None = None  # xgrammar's batch fill threads (None: half the host's hardware threads)
 
 
 def mask_buffers(fd: int, rows: int, words: int):
@@ -61,6 +63,7 @@ class Worker:
         self.structured = StructuredOutputs(spec.hf_tokenizer, spec.vocab_size, spec.eos_ids, spec.limits,
                                             spec.backend)
         self.structured.switch_interval_s = None  # no mask thread here
+        self.structured.fill_threads = spec.fill_threads
         self.masks = masks
         self.matchers: dict[int, object] = {}
         self.broken: dict[int, str] = {}
@@ -113,6 +116,8 @@ class Worker:
 
         live, broken, why = [], [], []
         for row, gid in enumerate(gids):
+            if gid == OTHERS:
+                continue
             grammar = self.matchers.get(gid)
             if grammar is None or gid in self.broken:
                 buffer[row] = -1  # every token allowed: the engine fails the request at its next token

@@ -136,14 +136,14 @@ class XgrCompiled:
 class XgrCompiler:
     """Compiles the constraints xgrammar takes, in a thread of its own, within COMPILE_TIMEOUT_S."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, fill_threads: int | None = None) -> None:
         import xgrammar
 
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(eos_ids))
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # StructuredOutputs caches
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-xgrammar")
-        self.batch = xgrammar.BatchGrammarMatcher()
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=fill_threads or "auto")
 
     def compile(self, so: StructuredOutput) -> XgrCompiled | None:
         """The constraint compiled by xgrammar, or None: llguidance's to compile."""

@@ -3,6 +3,7 @@ its KV block size, the step's token budget, the EOS ids, and where structured ou
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -69,10 +70,18 @@ def structured_outputs(config: EngineConfig, tokenizer, vocab_size: int, eos_tok
     wanted = config.structured_outputs_process
     if wanted or wanted is None and device.type == "cuda":
         try:
-            return GrammarLink(*args, config.max_num_seqs)
+            return GrammarLink(*args, config.max_num_seqs, grammar_processes(config))
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
             logger.warning("no grammar process (%s): grammar matchers run in the engine's process", exc)
     return StructuredOutputs(*args)
+
+
+def grammar_processes(config: EngineConfig) -> int:
+    """config.structured_outputs_processes, or one per 4 host cores, at most 4: each takes a core for its
+    consumes and shares the rest for its fill threads beside the engine and the front end."""
+    if config.structured_outputs_processes is not None:
+        return config.structured_outputs_processes
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def structured_outputs_ready(structured: StructuredOutputs | GrammarLink) -> StructuredOutputs | GrammarLink:

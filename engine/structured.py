@@ -72,6 +72,7 @@ class StructuredOutputs:
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
         self._masking = Masking()
         self.switch_interval_s: float | None = MASK_SWITCH_INTERVAL_S  # None: the interpreter's is kept
+        self.fill_threads: int | None = None  # xgrammar's batch fill threads (None: half the host's)
 
     # ---- compiling (engine thread submits, one helper thread compiles) ---------------------------------
     def compile(self, so: StructuredOutput) -> Future:
@@ -86,7 +87,7 @@ class StructuredOutputs:
     def _compile(self, so: StructuredOutput):
         if self.use_xgrammar:
             if self._xgr is None:
-                self._xgr = XgrCompiler(self.hf_tokenizer, self.vocab_size, self.eos_ids)
+                self._xgr = XgrCompiler(self.hf_tokenizer, self.vocab_size, self.eos_ids, self.fill_threads)
             compiled = self._xgr.compile(so)
             if compiled is not None:
                 return compiled
@@ -159,8 +160,11 @@ class StructuredOutputs:
             self._xgr.fill(xgr, bitmask)
         if llg:
             self._fill_llg(llg, bitmask)
-        if self._aliases is not None:
-            _allow_like(bitmask, self._aliases)
+            if self._aliases is not None:  # only llguidance's rows: other rows may be another process's
+                rows = torch.tensor([row for _, row in llg])
+                masks = bitmask[rows]
+                _allow_like(masks, self._aliases)
+                bitmask[rows] = masks
 
     def _fill_llg(self, rows: list, bitmask: torch.Tensor) -> None:
         if self._executor is None:

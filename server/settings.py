@@ -150,6 +150,9 @@ ENGINE_HELP = {
                                    "constrained step as soon as its masks are filled",
     "structured_outputs_process": "structured outputs: keep the grammar matchers in a process of their own, off the "
                                   "engine's GIL (default: on with a GPU)",
+    "structured_outputs_processes": "structured outputs: how many grammar processes share the matchers, each "
+                                    "consuming and filling its own rows at once (default: one per 4 host cores, "
+                                    "at most 4)",
 }
 
 SERVER_HELP = {

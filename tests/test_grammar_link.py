@@ -103,6 +103,58 @@ def test_same_tokens_as_in_process_mixed_batch(remote, local, async_scheduling):
     assert_no_matcher_left(remote)
 
 
+def test_two_grammar_processes_share_the_rows(tiny_model_dir, local):
+    """Two grammar processes, each consuming and filling the rows of its own grammars in one shared bitmask:
+    every output equals the in-process run (pipelined), both held matchers, and none is left after."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=True,
+              structured_outputs_processes=2, async_scheduling=True)
+    link = llm.engine.structured
+    held = []
+    real = link._collect
+    link._collect = lambda pending: held.append([shard.live for shard in link.shards]) or real(pending)
+    prompts = PROMPTS * 2
+    params = [json_params(), SamplingParams(temperature=0.0, max_tokens=20), choice_params(), json_params()] * 2
+    try:
+        assert len(link.shards) == 2 and link.shards[1].worker.proc.pid != link.worker.proc.pid
+        assert run(llm, prompts, params) == run(local, prompts, params)
+        assert any(all(live) for live in held), held  # both processes held matchers at once
+        assert_no_matcher_left(llm)
+    finally:
+        link.shutdown()
+
+
+def test_a_killed_one_of_two_grammar_processes_fails_only_its_grammars(tiny_model_dir, local):
+    """SIGKILL the second of two grammar processes mid-run: the constrained requests whose grammars it held
+    end with an error, the others finish as in the in-process run, and the next requests are served."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=True,
+              structured_outputs_processes=2)
+    link, steps = llm.engine.structured, []
+    real = link.start_fill
+
+    def kill_at_fifth(requests):
+        steps.append(1)
+        if len(steps) == 5:
+            os.kill(link.shards[1].worker.proc.pid, signal.SIGKILL)
+            link.shards[1].worker.proc.wait()
+        return real(requests)
+
+    link.start_fill = kill_at_fifth
+    params = json_params(max_tokens=30, ignore_eos=True)
+    try:
+        want = run(local, PROMPTS, params)
+        outs = llm.generate(PROMPTS, params)
+    finally:
+        link.start_fill = real
+    failed = [o.outputs[0].finish_reason == "error" for o in outs]
+    assert sum(failed) == 2, failed  # gids 1 and 3 lived in the second process
+    for o, ids, bad in zip(outs, want, failed):
+        assert bad or o.outputs[0].token_ids == ids
+    assert link.restarts == 1 and all(shard.worker.alive() for shard in link.shards)
+    assert run(llm, PROMPTS[:2], params) == want[:2]
+    assert llm.engine.stats().scheduler.num_blocks_used == 0
+    link.shutdown()
+
+
 def assert_no_matcher_left(llm: LLM) -> None:
     """One more constrained request after the others ended: the worker then holds its matcher alone."""
     run(llm, PROMPTS[:1], json_params(max_tokens=3))
