@@ -415,3 +415,13 @@ def test_the_grammar_process_exits_with_its_engine(tiny_model_dir):
     finally:
         if engine.poll() is None:
             engine.kill()
+
+
+@pytest.mark.parametrize("cores,asked,want", [(2, None, 1), (16, None, 4), (64, None, 4), (8, None, 2), (16, 3, 3)])
+def test_how_many_grammar_processes(monkeypatch, cores, asked, want):
+    """One grammar process per 4 host cores, at most 4, unless the configuration names a number."""
+    from engine.config import EngineConfig
+    from engine.setup import grammar_processes
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert grammar_processes(EngineConfig(model="m", structured_outputs_processes=asked)) == want

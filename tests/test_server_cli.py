@@ -48,6 +48,7 @@ def test_config_path_from_env_and_nullable_values(tmp_path):
     ("port: 70000\n", "port must be in"),
     ("dtype: float64\n", "dtype must be one of"),
     ("loop: trio\n", "loop must be one of"),
+    ("structured_outputs_processes: 0\n", "structured_outputs_processes must be >= 1"),
     ("- a\n- b\n", "mapping"),
 ])
 def test_bad_config_files_are_refused(tmp_path, text, message):
