@@ -7,9 +7,12 @@ Filled (RemoteGrammar.broken), so the request fails at its next token (the row w
 allow-everything mask meanwhile; a bypassed mask is the only way to get there). A matcher is dropped when its
 RemoteGrammar is collected (the request finished, or its grammar ended).
 
-If the worker dies, the masks of the step in flight allow everything, every live grammar is broken (its
+With several grammar processes (Shard: one each) a grammar lives in one of them, by its number; every step
+sends each its own Step and the rows it fills (the others marked -1) into the one shared bitmask.
+
+If a worker dies, its rows of the step in flight allow everything, every grammar it held is broken (its
 request fails with an error at its next token), compiles in flight fail, and a new worker is started; the
-engine and its unconstrained requests go on.
+engine, its unconstrained requests and the other workers' grammars go on.
 """
 from __future__ import annotations
 
