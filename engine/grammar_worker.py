@@ -80,10 +80,11 @@ class Worker:
             return self._step(msg)
         except Exception as exc:  # noqa: BLE001 - reported per request; the worker goes on
             why = f"the grammar process failed: {type(exc).__name__}: {exc}"[:300]
-            self.masks[msg.buffer, :len(msg.fill)] = -1
-            for gid in msg.fill:
+            mine = [(row, gid) for row, gid in enumerate(msg.fill) if gid != OTHERS]  # not another process's
+            for row, gid in mine:
+                self.masks[msg.buffer, row] = -1
                 self.broken[gid] = why
-            return Filled(msg.seq, list(msg.fill), [why] * len(msg.fill), len(self.matchers))
+            return Filled(msg.seq, [gid for _, gid in mine], [why] * len(mine), len(self.matchers))
 
     def _step(self, msg: Step) -> Filled:
         for new in msg.new:

@@ -386,10 +386,11 @@ def test_a_failing_step_fails_its_requests_not_the_grammar_process():
 
     worker = Worker.__new__(Worker)  # the step logic alone, without a process or a tokenizer
     worker.masks, worker.matchers, worker.broken = torch.zeros(2, 4, 3, dtype=torch.int32), {7: Exploding()}, {}
-    filled = worker.step(Step([], [7], [1], [], [7, 8], 1, 41))
+    filled = worker.step(Step([], [7], [1], [], [7, 8, -1], 1, 41))  # row 2: another grammar process's
     assert filled.seq == 41 and filled.broken == [7, 8]
     assert all("matcher state corrupted" in why for why in filled.why)
     assert bool((worker.masks[1, :2] == -1).all()) and bool((worker.masks[0] == 0).all())
+    assert bool((worker.masks[1, 2:] == 0).all())  # the other process's row is left to it
     assert set(worker.broken) == {7, 8}
 
 
