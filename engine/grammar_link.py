@@ -99,10 +99,10 @@ class RemoteGrammar:
 
 class PendingMasks:
     """Steps sent to the shards' workers; result() waits for every Filled (once: a second call returns the same
-    masks). `sent`: (shard, worker) pairs that were sent one."""
+    masks). `sent`: (shard, worker, time.monotonic() of the send) for each that was sent one."""
     __slots__ = ("link", "sent", "rows", "grammars", "buffer", "seq", "batch")
 
-    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, _Worker]], rows: list[int], grammars: list,
+    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, _Worker, float]], rows: list[int], grammars: list,
                  buffer: int, seq: int) -> None:
         self.link, self.sent, self.rows, self.grammars, self.buffer = link, sent, rows, grammars, buffer
         self.seq = seq
@@ -271,7 +271,7 @@ class GrammarLink:
         self._keys, self._gids, self._seqs = itertools.count(), itertools.count(), itertools.count()
         self._buffer = 0
         self._outstanding: PendingMasks | None = None
-        self.worker_s = {"accept": 0.0, "fill": 0.0}  # the slowest worker's own time per step, summed
+        self.worker_s = dict.fromkeys(WORKER_TIMES, 0.0)  # per step the slowest shard's, summed
         self.restarts = 0  # workers started after one died
         self._encoder = msgspec.msgpack.Encoder()
         self._filled = msgspec.msgpack.Decoder(Filled)
@@ -346,7 +346,7 @@ class GrammarLink:
         for shard, fill in zip(self.shards, fills):  # every shard: its drops and tokens go too, rows or not
             shard.worker.wait_ready(READY_TIMEOUT_S)  # at once: these grammars were compiled by ready workers
             shard.worker.send(shard.worker.step, self._encoder.encode(shard.take_step(fill, self._buffer, seq)))
-            sent.append((shard, shard.worker))
+            sent.append((shard, shard.worker, time.monotonic()))
         self._outstanding = PendingMasks(self, sent, rows, grammars, self._buffer, seq)
         self._buffer = (self._buffer + 1) % MASK_BUFFERS
         return self._outstanding
@@ -360,9 +360,8 @@ class GrammarLink:
         grammar learns why. A lost worker: its rows allow every token, and its grammars of the step are broken."""
         if self._outstanding is pending:
             self._outstanding = None
-        rows = self.masks[pending.buffer, :len(pending.rows)]
-        accept_s = fill_s = 0.0
-        for shard, worker in pending.sent:
+        rows, waiting_from, times = self.masks[pending.buffer, :len(pending.rows)], time.monotonic(), []
+        for shard, worker, sent_at in pending.sent:
             filled = self._receive(worker, pending.seq)
             if filled is None:
                 _lose(shard, pending.grammars, rows)
@@ -371,9 +370,9 @@ class GrammarLink:
             for gid, why in zip(filled.broken, filled.why):
                 by_gid[gid].broken = why
             shard.live = filled.live
-            accept_s, fill_s = max(accept_s, filled.accept_s), max(fill_s, filled.fill_s)
-        self.worker_s["accept"] += accept_s
-        self.worker_s["fill"] += fill_s
+            times.append(_worker_times(filled, sent_at, waiting_from))
+        for name, seconds in zip(WORKER_TIMES, map(max, zip(*times))):
+            self.worker_s[name] += seconds
         return MaskBatch(pending.rows, rows)
 
     def _receive(self, worker: _Worker, seq: int) -> Filled | None:
@@ -413,6 +412,16 @@ class GrammarLink:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
         self._mask_file.close()
+
+
+WORKER_TIMES = ("accept", "fill", "Step reaches it", "answer read after it was sent while waiting")
+
+
+def _worker_times(filled: Filled, sent_at: float, waiting_from: float) -> tuple[float, ...]:
+    """WORKER_TIMES of one answer: its consume and fill, the Step's way there, and how long after the answer
+    was sent the engine read it, counted from when the engine began to wait (before that it was busy)."""
+    late = time.monotonic() - max(filled.answered, waiting_from)
+    return filled.accept_s, filled.fill_s, filled.received - sent_at, max(0.0, late)
 
 
 def _lose(shard: Shard, grammars: list, rows: torch.Tensor) -> None:

@@ -56,4 +56,6 @@ class Filled(msgspec.Struct, tag=True, array_like=True, gc=False):
     live: int
     accept_s: float = 0.0  # the worker's time consuming the step's tokens, then filling its rows: where a
     fill_s: float = 0.0    # constrained step's wait for its masks goes (benchmarks/server_step_profile.py)
+    received: float = 0.0  # time.monotonic() (one clock for every process of the host) when the Step was
+    answered: float = 0.0  # read, and when this answer was sent
 

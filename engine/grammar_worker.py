@@ -156,7 +156,10 @@ def serve_steps(worker: Worker, sock: zmq.Socket, parent: int) -> None:
     would block forever, so it waits for room the same way)."""
     decoder, encoder = msgspec.msgpack.Decoder(Step), msgspec.msgpack.Encoder()
     while _wait(sock, zmq.POLLIN, parent):
-        answer = encoder.encode(worker.step(decoder.decode(sock.recv())))
+        received = time.monotonic()
+        filled = worker.step(decoder.decode(sock.recv()))
+        filled.received, filled.answered = received, time.monotonic()
+        answer = encoder.encode(filled)
         if not _wait(sock, zmq.POLLOUT, parent):
             return
         sock.send(answer, zmq.NOBLOCK)
