@@ -344,7 +344,9 @@ class GrammarLink:
             fills[grammar.shard.index][i] = grammar.gid
         seq, sent = next(self._seqs), []
         for shard, fill in zip(self.shards, fills):  # every shard: its drops and tokens go too, rows or not
-            shard.worker.wait_ready(READY_TIMEOUT_S)  # at once: these grammars were compiled by ready workers
+            if not shard.worker.ready.is_set():  # restarted and still starting: its rows are lost at once,
+                _lose(shard, grammars, self.masks[self._buffer, :len(rows)])  # not after its 3-5 s start
+                continue
             shard.worker.send(shard.worker.step, self._encoder.encode(shard.take_step(fill, self._buffer, seq)))
             sent.append((shard, shard.worker, time.monotonic()))
         self._outstanding = PendingMasks(self, sent, rows, grammars, self._buffer, seq)

@@ -125,18 +125,23 @@ def test_two_grammar_processes_share_the_rows(tiny_model_dir, local):
 
 def test_a_killed_one_of_two_grammar_processes_fails_only_its_grammars(tiny_model_dir, local):
     """SIGKILL the second of two grammar processes mid-run: the constrained requests whose grammars it held
-    end with an error, the others finish as in the in-process run, and the next requests are served."""
+    end with an error, the others finish as in the in-process run without waiting for its replacement to
+    start, and the next requests are served."""
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=True,
               structured_outputs_processes=2)
-    link, steps = llm.engine.structured, []
+    link, steps, fifth = llm.engine.structured, [], {}
     real = link.start_fill
 
     def kill_at_fifth(requests):
         steps.append(1)
-        if len(steps) == 5:
-            os.kill(link.shards[1].worker.proc.pid, signal.SIGKILL)
-            link.shards[1].worker.proc.wait()
-        return real(requests)
+        if len(steps) != 5:
+            return real(requests)
+        os.kill(link.shards[1].worker.proc.pid, signal.SIGKILL)
+        link.shards[1].worker.proc.wait()
+        start = time.monotonic()
+        pending = real(requests)  # the other process's rows go on: no wait for the new one to start
+        fifth.update(seconds=time.monotonic() - start, starting=not link.shards[1].worker.ready.is_set())
+        return pending
 
     link.start_fill = kill_at_fifth
     params = json_params(max_tokens=30, ignore_eos=True)
@@ -147,6 +152,7 @@ def test_a_killed_one_of_two_grammar_processes_fails_only_its_grammars(tiny_mode
         link.start_fill = real
     failed = [o.outputs[0].finish_reason == "error" for o in outs]
     assert sum(failed) == 2, failed  # gids 1 and 3 lived in the second process
+    assert fifth["starting"] and fifth["seconds"] < 1.0, fifth  # a start takes 3-5 s here
     for o, ids, bad in zip(outs, want, failed):
         assert bad or o.outputs[0].token_ids == ids
     assert link.restarts == 1 and all(shard.worker.alive() for shard in link.shards)
