@@ -1,6 +1,7 @@
 """EngineConfig: every engine knob in one place, validated, no I/O."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from engine import grammar_xgr
@@ -10,6 +11,20 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton", "flash-attn", "flash-attn-4", "triton+flash-attn-4")
 # Grammar engines for structured outputs' masks (engine/grammar_xgr.py); vLLM's names.
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a Kubernetes
+    limit: os.cpu_count() is the node's, e.g. 96 against `limits.cpu: 8` in deploy/)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(cpu_max) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def need(cond: bool, msg: str) -> None:

@@ -35,6 +35,7 @@ import msgspec
 import torch
 import zmq
 
+from engine.config import usable_cores
 from engine.grammar import LRU, GrammarLimits
 from engine.grammar_messages import Compile, Compiled, Filled, NewMatcher, Ready, Step
 from engine.grammar_worker import MASK_BUFFERS, OTHERS, WorkerSpec, mask_buffers
@@ -258,7 +259,7 @@ class GrammarLink:
         self.args = (hf_tokenizer, vocab_size, eos_ids, limits, backend)  # StructuredOutputs' (the fallback)
         self.use_xgrammar = backend == "xgrammar" or backend == "auto" and xgrammar_available()
         self.words, self.rows = (vocab_size + 31) // 32, max_rows
-        threads = None if processes == 1 else max(1, (os.cpu_count() or 2) // (2 * processes))
+        threads = None if processes == 1 else max(1, usable_cores() // (2 * processes))
         self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows,
                                              threads))
         nbytes = MASK_BUFFERS * max_rows * self.words * 4

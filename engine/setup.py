@@ -3,13 +3,12 @@ its KV block size, the step's token budget, the EOS ids, and where structured ou
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from attention import explain_backend_choice, load_backend
 from attention.base import DEFAULT_BLOCK_SIZE
-from engine.config import EngineConfig
+from engine.config import EngineConfig, usable_cores
 from engine.grammar import GrammarLimits
 from engine.grammar_link import GrammarLink
 from engine.structured import StructuredOutputs
@@ -81,7 +80,7 @@ def grammar_processes(config: EngineConfig) -> int:
     consumes and shares the rest for its fill threads beside the engine and the front end."""
     if config.structured_outputs_processes is not None:
         return config.structured_outputs_processes
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return max(1, min(4, usable_cores() // 4))
 
 
 def structured_outputs_ready(structured: StructuredOutputs | GrammarLink) -> StructuredOutputs | GrammarLink:

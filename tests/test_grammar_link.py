@@ -427,8 +427,21 @@ def test_the_grammar_process_exits_with_its_engine(tiny_model_dir):
 @pytest.mark.parametrize("cores,asked,want", [(2, None, 1), (16, None, 4), (64, None, 4), (8, None, 2), (16, 3, 3)])
 def test_how_many_grammar_processes(monkeypatch, cores, asked, want):
     """One grammar process per 4 host cores, at most 4, unless the configuration names a number."""
+    from engine import setup
     from engine.config import EngineConfig
-    from engine.setup import grammar_processes
 
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    assert grammar_processes(EngineConfig(model="m", structured_outputs_processes=asked)) == want
+    monkeypatch.setattr(setup, "usable_cores", lambda: cores)
+    assert setup.grammar_processes(EngineConfig(model="m", structured_outputs_processes=asked)) == want
+
+
+@pytest.mark.parametrize("cpu_max,want", [("max 100000\n", 6), ("200000 100000\n", 2), ("50000 100000\n", 1),
+                                          (None, 6)])
+def test_usable_cores_follow_the_cgroup_quota(tmp_path, monkeypatch, cpu_max, want):
+    """A Kubernetes CPU limit (cgroup v2 cpu.max) caps the cores the grammar processes count on."""
+    from engine.config import usable_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    assert usable_cores(str(path)) == want
