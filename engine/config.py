@@ -70,7 +70,7 @@ class EngineConfig:
     # None: on CUDA only (on a 2-core machine the process shares the cores the engine needs).
     structured_outputs_process: bool | None = None
     # How many grammar processes share the matchers (each consumes and fills its own rows, all at once). None:
-    # one per 4 host cores, at most 4 (1 on small hosts).
+    # one per 4 usable cores (usable_cores: affinity, cgroup quota), at most 4 (1 on small hosts).
     structured_outputs_processes: int | None = None
 
     def __post_init__(self) -> None:

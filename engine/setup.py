@@ -76,7 +76,7 @@ def structured_outputs(config: EngineConfig, tokenizer, vocab_size: int, eos_tok
 
 
 def grammar_processes(config: EngineConfig) -> int:
-    """config.structured_outputs_processes, or one per 4 host cores, at most 4: each takes a core for its
+    """config.structured_outputs_processes, or one per 4 usable cores, at most 4: each takes a core for its
     consumes and shares the rest for its fill threads beside the engine and the front end."""
     if config.structured_outputs_processes is not None:
         return config.structured_outputs_processes
