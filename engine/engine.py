@@ -102,7 +102,7 @@ class LLMEngine:
         self.pipeline_masks = config.structured_outputs_pipeline  # _step_behind_masks (read every step)
         self._num_history_requests = 0  # live completions whose sampling reads every earlier token
         self.structured = None if self.structured is None else structured_outputs_ready(self.structured)
-        self.runner.structured = self.structured
+        self.runner.use_structured(self.structured)
         self._grammars = GrammarAdmission(self.structured, self.scheduler)  # structured requests, compiling
         self._log_start()
 

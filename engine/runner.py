@@ -13,6 +13,7 @@ from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_gr
 from engine.malloc import trim_free_memory
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
+from engine.structured import MaskBatch
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,7 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.device = device
+        self.dtype, self.vocab_size = dtype, hf_config.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = _allocate_kv(backend, hf_config, dtype, device, num_blocks, block_size)
@@ -237,6 +239,17 @@ class ModelRunner:
             meta.slot_mapping.fill_(PAD_SLOT_ID)  # block 0 is only read
         impl = self.model.layers[0].self_attn.attn
         impl.warm_up(*self.kv_caches[0], metas)
+        torch.cuda.synchronize()
+
+    def use_structured(self, structured) -> None:
+        """Sample under grammar masks from `structured` (None: no tokenizer, no grammars). On CUDA the mask
+        kernel is compiled now (Triton: ~1 s), not on the first constrained step."""
+        self.structured = structured
+        if structured is None or self.device.type != "cuda":
+            return
+        logits = torch.zeros(2, self.vocab_size, dtype=self.dtype, device=self.device)
+        words = (self.vocab_size + 31) // 32
+        structured.apply(logits, MaskBatch([0], torch.full((1, words), -1, dtype=torch.int32)))
         torch.cuda.synchronize()
 
     def _check_warm(self) -> None:

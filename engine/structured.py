@@ -193,28 +193,62 @@ def split_by_engine(grammars: list[tuple]) -> tuple[list, list]:
 
 
 class Masking:
-    """Applies a step's bitmasks to its logits (the bit positions kept on each device)."""
+    """Applies a step's bitmasks to its logits: xgrammar's kernel (Triton on CUDA, C++ on the CPU) when
+    xgrammar is installed, else apply_reference. On CUDA the mask's copy runs on a stream of its own, so it
+    overlaps the forward pass instead of queueing behind it.
+
+    Why a kernel: at batch 256 of a 151,936-token vocabulary the reference unpacks every bit into int32
+    tensors (~0.7 GB of device memory traffic, six launches) where the kernel reads the 4.9 MB mask and
+    writes -inf where banned; on the 2-core CPU it took 41-49 ms against xgrammar's 16-17 ms at 64 rows of
+    49,152. tests/test_structured_masking.py checks both against apply_reference on random masks."""
 
     def __init__(self) -> None:
-        self._shifts: dict[torch.device, torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._kernel = _xgrammar_kernel()
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
-        dev, vocab = logits.device, logits.shape[1]
-        mask = batch.bitmask.to(dev, non_blocking=True)  # [m, words]
-        bits = (mask.unsqueeze(-1) >> self._shift(dev)) & 1  # [m, words, 32]
-        banned = bits.view(len(batch.rows), -1)[:, :vocab] == 0  # [m, vocab]
-        if len(batch.rows) == logits.shape[0]:
-            logits.masked_fill_(banned, float("-inf"))
+        if self._kernel is None:
+            apply_reference(logits, batch)
             return
-        rows = torch.tensor(batch.rows, dtype=torch.long).to(dev, non_blocking=True)
-        logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
+        mask = self._to_device(batch.bitmask, logits.device)
+        if len(batch.rows) < logits.shape[0]:  # the kernel indexes mask and logits by the same row
+            full = torch.full((logits.shape[0], mask.shape[1]), -1, dtype=torch.int32, device=logits.device)
+            full[torch.tensor(batch.rows, dtype=torch.long).to(logits.device, non_blocking=True)] = mask
+            mask = full
+        self._kernel(logits, mask, vocab_size=min(logits.shape[1], mask.shape[1] * 32))
 
-    def _shift(self, device: torch.device) -> torch.Tensor:
-        shift = self._shifts.get(device)
-        if shift is None:
-            shift = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        return shift
+    def _to_device(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The host mask on `device`; on CUDA copied on the side stream, which the current stream waits for."""
+        if device.type != "cuda":
+            return bitmask
+        stream, current = self._streams.get(device), torch.cuda.current_stream(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            mask = bitmask.to(device, non_blocking=True)
+        current.wait_stream(stream)
+        mask.record_stream(current)  # not reused by the side stream's pool before the current one used it
+        return mask
+
+
+def _xgrammar_kernel():
+    """xgrammar.apply_token_bitmask_inplace, or None without xgrammar."""
+    if not xgrammar_available():
+        return None
+    from xgrammar import apply_token_bitmask_inplace
+
+    return apply_token_bitmask_inplace
+
+
+def apply_reference(logits: torch.Tensor, batch: MaskBatch) -> None:
+    """The rule in PyTorch: bit j of word w of a row's mask clear -> token 32 * w + j of that row is -inf."""
+    dev, vocab = logits.device, logits.shape[1]
+    mask = batch.bitmask.to(dev, non_blocking=True)  # [m, words]
+    bits = (mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=dev)) & 1  # [m, words, 32]
+    banned = bits.view(len(batch.rows), -1)[:, :vocab] == 0  # [m, vocab]
+    rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
+    logits[rows] = logits[rows].masked_fill_(banned, float("-inf"))
 
 
 def _allow_like(bitmask: torch.Tensor, aliases: EosAliases) -> None:
