@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import sys
 import time
 import threading
@@ -197,6 +198,8 @@ def main(argv: list[str]) -> None:
                      name="kvserve-grammar-compiles").start()
     sock.send(encoder.encode(Ready()))
     serve_steps(worker, sock, parent)
+    if step_addr.startswith("ipc://"):  # the engine is gone (killed: it could not remove its sockets' folder)
+        shutil.rmtree(os.path.dirname(step_addr[len("ipc://"):]), ignore_errors=True)
 
 
 if __name__ == "__main__":

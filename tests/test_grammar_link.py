@@ -159,6 +159,7 @@ def test_a_killed_one_of_two_grammar_processes_fails_only_its_grammars(tiny_mode
     assert run(llm, PROMPTS[:2], params) == want[:2]
     assert llm.engine.stats().scheduler.num_blocks_used == 0
     link.shutdown()
+    assert len(link._workers) == 3 and not any(Path(w.folder).exists() for w in link._workers)  # the killed one's too
 
 
 def assert_no_matcher_left(llm: LLM) -> None:
@@ -237,7 +238,7 @@ def test_killed_grammar_process_fails_only_constrained_requests(tiny_model_dir):
     tok = llm.get_tokenizer()
     again = run(llm, PROMPTS[:1], json_params())[0]
     validate(tok.decode(again, skip_special_tokens=True))
-    assert link.worker.alive() and len(link._procs) == 2
+    assert link.worker.alive() and len(link._workers) == 2
     link.shutdown()
 
 
@@ -410,15 +411,17 @@ def test_the_grammar_process_exits_with_its_engine(tiny_model_dir):
 
     code = ("import sys; from engine.llm import LLM; "
             f"llm = LLM({str(tiny_model_dir('llama'))!r}, num_kv_blocks=64, structured_outputs_process=True); "
-            "print(llm.engine.structured.worker.proc.pid, flush=True); sys.stdin.read()")
+            "w = llm.engine.structured.worker; print(w.proc.pid, w.folder, flush=True); sys.stdin.read()")
     engine = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, cwd=str(Path(__file__).resolve().parents[1]))
     try:
-        worker = psutil.Process(int(engine.stdout.readline()))
-        assert worker.is_running()
+        pid, folder = engine.stdout.readline().split()
+        worker = psutil.Process(int(pid))
+        assert worker.is_running() and (Path(folder) / "step").exists()
         engine.kill()
         engine.wait()
         worker.wait(timeout=10)  # psutil.TimeoutExpired if it outlived its engine
+        assert not Path(folder).exists()  # its sockets' folder went with it (the engine could not remove it)
     finally:
         if engine.poll() is None:
             engine.kill()
