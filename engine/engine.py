@@ -10,7 +10,7 @@ import torch
 from engine.admission import GrammarAdmission
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path, tokenizer_path
 from engine.malloc import trim_free_memory
 from engine.request import (FINISHED, FinishReason, Request, RequestError, SamplingParams, StepOutput,
                             TokenLogprob, completion_id)
@@ -69,7 +69,7 @@ class LLMEngine:
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(config.max_num_batched_tokens, self.device)
         path = self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(path)
-        self.tokenizer_path = None if config.skip_tokenizer_init else str(config.tokenizer or path)
+        self.tokenizer_path = tokenizer_path(config)
         self.tokenizer = None if self.tokenizer_path is None else load_tokenizer(self.tokenizer_path)
         self.eos_token_ids = eos_ids(self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size

@@ -61,6 +61,12 @@ def resolve_model_path(model: str | None) -> Path:
     return _hub_snapshot(model)
 
 
+def tokenizer_path(config) -> str | None:
+    """Where an EngineConfig's tokenizer loads from: its `tokenizer`, else the model's directory (None with
+    skip_tokenizer_init). The engine core tells its front ends before it loads the model."""
+    return None if config.skip_tokenizer_init else str(config.tokenizer or resolve_model_path(config.model))
+
+
 def _hub_snapshot(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 

@@ -21,7 +21,8 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from engine.core.messages import AbortRequests, AddRequest, Codec, CoreStats, EngineOutputs, LoadFailed, Ready, ToCore
+from engine.core.messages import (AbortRequests, AddRequest, Codec, CoreStats, EngineOutputs, LoadFailed, Loading,
+                                  Ready, ToCore)
 from engine.core.process import CoreAddresses
 from engine.request import SamplingParams
 from server.admission import Admission, EngineState
@@ -73,7 +74,9 @@ class EngineClient:
         self._live: set[Generation] = set()
         self._idle = asyncio.Event()
         self._context = None
-        self._handlers = {EngineOutputs: self._on_outputs, Ready: self._on_ready, LoadFailed: self._on_load_failed}
+        self._handlers = {EngineOutputs: self._on_outputs, Ready: self._on_ready, LoadFailed: self._on_load_failed,
+                          Loading: self._on_loading}
+        self._tokenizer_load: tuple[str, asyncio.Task] | None = None  # (path, its load), begun at Loading
 
     @property
     def stats(self) -> CoreStats:
@@ -222,14 +225,20 @@ class EngineClient:
         if all(lk.ready is not None for lk in self.links):
             asyncio.get_running_loop().create_task(self._finish_loading(msg))
 
+    def _on_loading(self, link: CoreLink, msg: Loading) -> None:
+        """A core found its tokenizer and loads the model: load the tokenizer meanwhile (once, off the loop)."""
+        if self._tokenizer_load is None:
+            self._tokenizer_load = (msg.tokenizer_path, asyncio.get_running_loop().create_task(
+                asyncio.to_thread(_load_tokenizer, msg.tokenizer_path)))
+
     async def _finish_loading(self, msg: Ready) -> None:
-        """The tokenizer loads here (off the event loop) once every core is ready and says where it is; then
-        on_loaded runs (the front end settles its heap), and requests are accepted."""
+        """Once every core is ready: the tokenizer (begun at Loading, or loaded now, off the event loop), then
+        on_loaded (the front end settles its heap), and requests are accepted."""
         try:
             if msg.tokenizer_path is not None:
-                from engine.loader import load_tokenizer
-
-                self.tokenizer = await asyncio.to_thread(load_tokenizer, msg.tokenizer_path)
+                early = self._tokenizer_load
+                same = early is not None and early[0] == msg.tokenizer_path
+                self.tokenizer = await (early[1] if same else asyncio.to_thread(_load_tokenizer, msg.tokenizer_path))
             self.info = msg
             if self.on_loaded is not None:
                 self.on_loaded()
@@ -285,6 +294,12 @@ class EngineClient:
             _settle(future, error)
         for gen in list(self._live):
             gen.fail(error)
+
+
+def _load_tokenizer(path: str):
+    from engine.loader import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def own_copy(tokenizer):

@@ -43,7 +43,8 @@ class Faults:
     """Knobs the tests turn, read by the engine in the engine-core process (shared memory, so a test sets
     `faults.step_delay = 0.5` here and the core's next step sleeps)."""
 
-    KNOBS = {"step_delay": "d", "forward_raises": "i", "step_raises": "i", "steps": "i", "leak_blocks": "i"}
+    KNOBS = {"step_delay": "d", "forward_raises": "i", "step_raises": "i", "steps": "i", "leak_blocks": "i",
+             "load_hold": "i"}
 
     def __init__(self):
         import multiprocessing as mp
@@ -68,7 +69,7 @@ class Faults:
 class FaultyEngine:
     """engine_factory for the engine core: an LLMEngine whose steps and forward passes obey `faults`.
     leak_blocks = k takes k KV blocks from the pool before the next step and holds them (a leak the idle
-    invariant must catch); leak_blocks = 0 gives them back."""
+    invariant must catch); leak_blocks = 0 gives them back. load_hold = 1 holds the model's load until 0."""
 
     def __init__(self, faults: Faults):
         self.faults = faults
@@ -76,6 +77,9 @@ class FaultyEngine:
     def __call__(self, config):
         from engine.engine import LLMEngine
 
+        deadline = time.monotonic() + 120
+        while self.faults.load_hold and time.monotonic() < deadline:  # the test holds the load here
+            time.sleep(0.05)
         engine = LLMEngine(config)
         step, forward, faults, leaked = engine.step, engine.runner.model.forward, self.faults, []
 

@@ -5,18 +5,21 @@
   streaming) within a second, /health and /ready turn 503, new work gets 503 engine_dead, nothing hangs;
 - the launcher SIGKILLed: every child (core, front ends) exits, nothing holds the GPU;
 - one front end SIGKILLed: the launcher takes the rest down and exits 1;
-- SIGTERM drains through every process and exits 0 with no child left; /metrics counts every front end.
+- SIGTERM drains through every process and exits 0 with no child left; /metrics counts every front end;
+- a front end loads its tokenizer while the core still loads the model (the core says where it is first).
 """
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import httpx
 import psutil
 import pytest
 
-from server_utils import parse_metrics, start, start_server_process, stop_process, wait_for
+from server_utils import (Faults, ServerThread, faulty_engine, parse_metrics, start, start_server_process,
+                          stop_process, wait_for)
 
 LONG = {"prompt": "a long one", "max_tokens": 450, "ignore_eos": True, "temperature": 0}
 SHORT = {"prompt": "a short one", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
@@ -166,3 +169,29 @@ def test_a_core_whose_front_end_never_came_up_exits_with_its_launcher(model_dir)
     launcher.kill()
     launcher.wait()
     assert not wait_gone([core], 15)
+
+
+def test_the_front_end_loads_its_tokenizer_while_the_core_loads_the_model(model_dir):
+    """The core's load is held: the front end has its tokenizer already, and is not ready; let go, it serves
+    with that same tokenizer (loaded once)."""
+    faults = Faults()
+    faults.load_hold = 1
+    server = ServerThread(model_dir, engine_factory=faulty_engine(faults))
+    starter = threading.Thread(target=server.__enter__, daemon=True)
+    starter.start()
+    try:
+        wait_for(lambda: server.aengine is not None and server.aengine._tokenizer_load is not None
+                 and server.aengine._tokenizer_load[1].done(), timeout=60, what="the tokenizer, early")
+        assert server.aengine.info is None and server.aengine.tokenizer is None  # the core is still loading
+        assert httpx.get(server.url("/ready"), timeout=5).status_code == 503
+        faults.load_hold = 0
+        starter.join(timeout=120)
+        assert not starter.is_alive()
+        assert server.aengine.tokenizer is server.aengine._tokenizer_load[1].result()
+        r = httpx.post(server.url("/v1/completions"), json={**SHORT, "model": model_dir}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        faults.load_hold = 0
+        starter.join(timeout=120)
+        if server.thread is not None:
+            server.__exit__(None, None, None)

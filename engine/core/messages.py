@@ -115,8 +115,13 @@ class LoadFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
     message: str
 
 
+class Loading(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """The core has found its tokenizer and now loads the model: the front end loads the tokenizer meanwhile."""
+    tokenizer_path: str
+
+
 ToCore = Union[AddRequest, AbortRequests, Shutdown]
-FromCore = Union[EngineOutputs, Ready, LoadFailed]
+FromCore = Union[EngineOutputs, Ready, LoadFailed, Loading]
 
 
 class Codec:
