@@ -136,26 +136,22 @@ def _check_system(record: dict, system: str, raw: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smoke_runs_the_whole_path_on_the_cpu(tmp_path):
-    record, raw = _smoke(tmp_path)
-    assert record["phases"] == {"kvserve": "measured"} and record["smoke"]
-    _check_system(record, "kvserve", raw)
-    assert (raw / "kvserve-serve.log").stat().st_size > 0 and len(list(raw.glob("kvserve-*.json"))) == 6
-    assert any(line.startswith("| W-B json 100% | kvserve |") for line in record["table"])
-
-
-@pytest.mark.slow
-def test_the_vllm_phase_goes_through_the_serve_script(tmp_path):
+def test_smoke_runs_both_phases_on_the_cpu_the_vllm_one_through_the_serve_script(tmp_path):
+    """One run, as on the GPU host: kvserve's phase, then vLLM's through its serve script (a stand-in that
+    starts kvserve's server behind serve.sh's arguments and output); both systems' rows and their ratios."""
     script = tmp_path / "fake_vllm_serve.sh"
     script.write_text(FAKE_VLLM.format(repo=REPO, python=sys.executable))
-    record, raw = _smoke(tmp_path, "--no-kvserve", "--vllm", "--vllm-serve-script", str(script))
-    assert record["phases"] == {"vLLM": "measured"}
-    _check_system(record, "vLLM", raw)
+    record, raw = _smoke(tmp_path, "--vllm", "--vllm-serve-script", str(script), timeout=240)
+    assert record["phases"] == {"kvserve": "measured", "vLLM": "measured"} and record["smoke"]
+    for system in ("kvserve", "vLLM"):
+        _check_system(record, system, raw)
+        assert (raw / f"{system}-serve.log").stat().st_size > 0 and len(list(raw.glob(f"{system}-*.json"))) == 6
     copied = (raw / "vLLM-serve.log").read_bytes()
     for log in Path("/tmp").glob("vllm-serve-*.log"):  # where serve.sh (and the stand-in) writes it
         if log.read_bytes() == copied:
             log.unlink()
-    assert copied and len(list(raw.glob("vLLM-*.json"))) == 6
+    assert any(line.startswith("| W-B json 100% | kvserve |") for line in record["table"])
+    assert any(line.startswith("| W-B json 100% | kvserve/vLLM |") for line in record["table"])
     assert record["figures"]["TTFT 64|ttft"]["vLLM"]["p50_ms"] > 0
 
 
