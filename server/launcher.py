@@ -21,6 +21,7 @@ import tempfile
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from engine.config import usable_cores
 from engine.core.process import CoreAddresses, EngineCoreHandle, EngineCoreSpec, start_engine_core
 from server.engine_client import CoreConnection, CoreEndpoint
 from server.frontend import FrontendSpec, frontend_process_main, serve, uvicorn_config
@@ -53,7 +54,7 @@ def start_engine_cores(engine_config, settings, num_front_ends: int) -> list[Eng
     handles = []
     for i in range(dp):
         env = {"CUDA_VISIBLE_DEVICES": str(i)} if dp > 1 and engine_config.device != "cpu" else {}
-        threads = max(1, ((os.cpu_count() or 1) - 1) // dp) if dp > 1 else None
+        threads = max(1, (usable_cores() - 1) // dp) if dp > 1 else None
         spec = EngineCoreSpec(engine_config, CoreAddresses.new(num_front_ends), settings.log_level, env=env,
                               cpu_threads=threads)
         handles.append(start_engine_core(spec))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import BACKENDS, DEVICES, DTYPES, EngineConfig, need
+from engine.config import BACKENDS, DEVICES, DTYPES, EngineConfig, need, usable_cores
 from server.dispatch import POLICIES as DISPATCH_POLICIES
 
 logger = logging.getLogger("kvserve.server")
@@ -112,9 +112,10 @@ class ServerSettings:
 
 
 def default_api_server_count(cores: int | None = None) -> int:
-    """One front-end process per 4 cores, 1 to 4: the engine core needs a core of its own, and on the H200 host
-    (16 cores) vLLM's server scaled up to 4 front ends (docs/benchmarks.md). 2 cores: 1."""
-    cores = cores or os.cpu_count() or 1
+    """One front-end process per 4 usable cores (engine.config.usable_cores: a CPU quota counts), 1 to 4: the
+    engine core needs a core of its own, and on the H200 host (16 cores) vLLM's server scaled up to 4 front
+    ends (docs/benchmarks.md). 2 cores: 1."""
+    cores = cores or usable_cores()
     return max(1, min(4, cores // 4))
 
 

@@ -102,3 +102,26 @@ def test_bench_subcommands_are_wired(capsys):
             main(["bench", name, "--help"])
         assert exit_info.value.code == 0
         assert f"kvserve bench {name}" in capsys.readouterr().out
+
+
+def test_thread_and_process_defaults_follow_the_cpu_quota(monkeypatch):
+    """Under a CPU limit (8 usable cores on a node of 96), the defaults count the 8: two front ends, seven
+    torch threads for a CPU engine core, and with two data-parallel cores three threads each."""
+    import os
+
+    import server.launcher as launcher
+    from engine import config as engine_config
+    from engine.core import process
+    from server.settings import default_api_server_count
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 96)
+    monkeypatch.setattr(engine_config, "usable_cores", lambda: 8)
+    monkeypatch.setattr("server.settings.usable_cores", lambda: 8)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 8)
+    assert default_api_server_count() == 2 and default_api_server_count(16) == 4
+    assert process.cpu_threads(None) == 7 and process.cpu_threads(3) == 3
+    specs = []
+    monkeypatch.setattr(launcher, "start_engine_core", lambda spec: specs.append(spec) or spec)
+    _, server = resolve(flags("--data-parallel-size", "2", "--device", "cpu"), {})
+    launcher.start_engine_cores(EngineConfig(model="m", device="cpu"), server, 1)
+    assert [spec.cpu_threads for spec in specs] == [3, 3]

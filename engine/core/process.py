@@ -237,6 +237,14 @@ def _announce(outboxes, data: bytes, lifeline_fd: int) -> bool:
     return True
 
 
+def cpu_threads(requested: int | None) -> int:
+    """A CPU engine's torch threads: as requested, else one fewer than the usable cores (a CPU quota counts:
+    under a Kubernetes limit of 8 CPUs on a 96-core node, 96 threads would fight over 8 cores' time)."""
+    from engine.config import usable_cores
+
+    return requested or max(1, usable_cores() - 1)
+
+
 def _build(spec: EngineCoreSpec):
     """The engine, with torch's intra-op threads one fewer than the cores when it runs on the CPU: they spin
     on every core between ops and starved the HTTP process's event loop (measured 10x slower tokens on 2
@@ -247,7 +255,7 @@ def _build(spec: EngineCoreSpec):
     from engine.engine import LLMEngine
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(spec.cpu_threads or max(1, (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(cpu_threads(spec.cpu_threads))
     engine = (spec.engine_factory or LLMEngine)(spec.engine_config)
     if engine.device.type != "cpu":  # a GPU engine keeps torch's default
         torch.set_num_threads(threads)
