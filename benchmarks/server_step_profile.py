@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench import server_procs  # noqa: E402
+from bench.server_thread import ServerThread  # noqa: E402
 from bench.models import build_random_model, parse_model_config  # noqa: E402
 from bench.pair_report import PairLoad  # noqa: E402
 from benchmarks.online_pair import SMOKE_CONFIG, bench_serve  # noqa: E402
@@ -105,47 +106,19 @@ def per_step(before: dict, after: dict) -> dict:
     return {"steps": steps, "sections_ms_per_step": ms}
 
 
-class Server:
-    """The front end (uvicorn in a thread of this process) over an engine-core process built by ProfiledEngine."""
-
-    def __init__(self, engine_config, totals: Path) -> None:
-        import uvicorn
-
-        from engine.core.process import CoreAddresses, EngineCoreSpec, start_engine_core
-        from server.engine_client import CoreConnection, CoreEndpoint
-        from server.frontend import FrontendSpec, build_frontend, uvicorn_config
-        from server.settings import ServerSettings
-
-        settings = ServerSettings(port=server_procs.free_port(), log_level="warning")
-        addresses = CoreAddresses.new(1)
-        self.core = start_engine_core(EngineCoreSpec(engine_config, addresses, "warning", ProfiledEngine(str(totals))))
-        spec = FrontendSpec(settings, CoreConnection([CoreEndpoint(addresses, self.core.core_alive)]),
-                            engine_config.model)
-        _, app = build_frontend(spec)
-        self.server = uvicorn.Server(uvicorn_config(app, settings))
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="profile-uvicorn")
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{settings.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.core.shutdown(timeout=30)
-
-
 def loads(args) -> list[PairLoad]:
     vocab = args.prompt_vocab
     return [PairLoad(f"W-B json {round(100 * f)}%", "wb", args.num_prompts, args.input_len, args.output_len, f,
                      None, args.client_workers, 1, vocab) for f in args.fractions]
 
 
-def measure(server: Server, totals: Path, args, raw: Path) -> list[dict]:
+def measure(server: ServerThread, totals: Path, args, raw: Path) -> list[dict]:
     """One warm-up of each load, then the loads alternated --repeat times, each timed in the core."""
     rows = []
     for rep in range(args.repeat + 1):
         for load in loads(args):
             before = read_totals(totals, time.time())
-            metrics = bench_serve(server.url, load, rep, "structured_outputs", raw / f"{load.name}-{rep}.json",
+            metrics = bench_serve(server.base_url, load, rep, "structured_outputs", raw / f"{load.name}-{rep}.json",
                                   args.run_timeout_s)
             row = {"load": load.name, "repetition": rep, "warm_up": rep == 0, **metrics,
                    **per_step(before, read_totals(totals, time.time()))}
@@ -182,6 +155,7 @@ def main() -> None:
         args.model_config, args.device, args.num_prompts = json.dumps({**SMOKE_CONFIG, "vocab_size": 2048}), "cpu", 16
         args.input_len, args.output_len, args.prompt_vocab, args.client_workers, args.repeat = 16, 12, 2048, 1, 1
     from engine.config import EngineConfig
+    from server.settings import ServerSettings
 
     with tempfile.TemporaryDirectory(prefix="kvserve-server-step-") as tmp:
         model = build_random_model(parse_model_config(args.model_config), Path(tmp) / "model", tokenizer="bpe")
@@ -190,14 +164,9 @@ def main() -> None:
                               **json.loads(args.engine_args))
         totals, raw = Path(tmp) / "totals.json", Path(tmp) / "raw"
         raw.mkdir()
-        server = Server(config, totals)
-        try:
-            # Until /ready: the core's death while loading ends the wait (its log went to this stderr).
-            server_procs.wait_ready(server_procs.ServerProc("kvserve", server.core.process.pid, server.url,
-                                                            Path(tmp) / "no.log"), "/ready", 600)
+        settings = ServerSettings(port=server_procs.free_port(), log_level="warning")
+        with ServerThread(config, settings, ProfiledEngine(str(totals)), ready_timeout_s=600) as server:
             rows = measure(server, totals, args, raw)
-        finally:
-            server.stop()
     args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": sys.argv,
                                     "rows": rows}, indent=1))
     print(f"wrote {args.out}")

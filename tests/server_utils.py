@@ -8,13 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
-import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from bench.server_thread import ServerThread as BaseServerThread
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -118,12 +119,9 @@ def faulty_engine(faults: Faults) -> FaultyEngine:
     return FaultyEngine(faults)
 
 
-class ServerThread:
-    """The real front end (app + uvicorn) in a background thread of this process, over a real engine-core
-    process (engine/core/), as `kvserve serve --api-server-count 1` runs them.
-
-    engine_factory(config) -> engine (picklable: it runs in the core) lets a test wrap the engine.
-    """
+class ServerThread(BaseServerThread):
+    """bench.server_thread.ServerThread with the tests' defaults: `model_dir` on the CPU, 128 KV blocks, 64
+    sequences, a free port; options are EngineConfig or ServerSettings fields."""
 
     def __init__(self, model_dir, engine_factory=None, draining: bool = False, **options):
         from engine.config import EngineConfig
@@ -132,52 +130,9 @@ class ServerThread:
         engine_fields = set(EngineConfig.field_names())
         engine_opts = dict(model=str(model_dir), device="cpu", num_kv_blocks=128, max_num_seqs=64)
         engine_opts.update({k: v for k, v in options.items() if k in engine_fields})
-        self.engine_config = EngineConfig(**engine_opts)
         server_opts = {k: v for k, v in options.items() if k not in engine_fields}
-        self.settings = ServerSettings(port=free_port(), log_level="warning", **server_opts)
-        self.engine_factory = engine_factory
-        self.draining = draining  # frontend.DrainingServer (what `kvserve serve` runs) instead of uvicorn.Server
-        self.base_url = f"http://127.0.0.1:{self.settings.port}"
-        self.app = self.aengine = self.server = self.thread = self.core = None
-
-    def __enter__(self) -> "ServerThread":
-        import uvicorn
-
-        from engine.core.process import CoreAddresses, EngineCoreSpec, start_engine_core
-        from server.engine_client import CoreConnection, CoreEndpoint
-        from server.frontend import DrainingServer, FrontendSpec, build_frontend, uvicorn_config
-
-        addresses = CoreAddresses.new(1)
-        self.core = start_engine_core(EngineCoreSpec(self.engine_config, addresses, "warning", self.engine_factory))
-        try:
-            spec = FrontendSpec(self.settings, CoreConnection([CoreEndpoint(addresses, self.core.core_alive)]),
-                                self.engine_config.model)
-            self.aengine, self.app = build_frontend(spec)
-            config = uvicorn_config(self.app, self.settings)
-            self.server = (DrainingServer(config, self.aengine, self.settings.shutdown_timeout) if self.draining
-                           else uvicorn.Server(config))
-            self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
-            self.thread.start()
-            wait_ready(self.base_url)
-        except BaseException:
-            self.core.shutdown(timeout=5)  # a front end that never came up must not leave its core behind
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-        code = self.core.shutdown(timeout=30)
-        shutil.rmtree(Path(self.core.spec.addresses.inbox[len("ipc://"):]).parent, ignore_errors=True)
-        assert not self.thread.is_alive(), "uvicorn did not stop"
-        assert code is not None, "the engine core did not stop"
-
-    @property
-    def core_pid(self) -> int:
-        return self.core.process.pid
-
-    def url(self, path: str) -> str:
-        return self.base_url + path
+        super().__init__(EngineConfig(**engine_opts), ServerSettings(port=free_port(), log_level="warning",
+                                                                     **server_opts), engine_factory, draining)
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url("/metrics"), timeout=10).text)
