@@ -10,6 +10,12 @@ RemoteGrammar is collected (the request finished, or its grammar ended).
 With several grammar processes (Shard: one each) a grammar lives in one of them, by its number; every step
 sends each its own Step and the rows it fills (the others marked -1) into the one shared bitmask.
 
+A Step and its Filled go over a Unix socket pair (multiprocessing.connection framing): one wake-up each way,
+where ZeroMQ added its I/O thread's on each side. Under W-B at json 100% on a busy 16-core host a Step took
+0.10-0.57 ms to reach its worker and its answer was read 0.16-0.82 ms late (docs/benchmarks.md, ninth
+session); on the 2-core CPU a fill of 8 rows over 4 processes took 317-323 us (median) against 417-453 us
+through ZeroMQ's ipc sockets. Compiles, not on any step's path, stay on ZeroMQ.
+
 If a worker dies, its rows of the step in flight allow everything, every grammar it held is broken (its
 request fails with an error at its next token), compiles in flight fail, and a new worker is started; the
 engine, its unconstrained requests and the other workers' grammars go on.
@@ -22,6 +28,7 @@ import logging
 import os
 import pickle
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +37,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import msgspec
@@ -49,7 +57,7 @@ POLL_MS = 200  # how often a wait for the worker checks that it still lives
 SEND_TIMEOUT_MS = 3000  # a send waits this long for its peer (a connection still being made), then gives up
 READY_TIMEOUT_S = 120.0  # a worker that has not started by then (importing torch, the tokenizer) is given up
 LOST = "the grammar process exited; the request's grammar state is lost"
-WORKER_COMMAND = (sys.executable, "-m", "engine.grammar_worker")  # then: SPEC_FILE STEP COMPILE REPLY MASK_FD
+WORKER_COMMAND = (sys.executable, "-m", "engine.grammar_worker")  # then: SPEC_FILE STEP_FD COMPILE REPLY MASK_FD
 
 
 class GrammarProcessError(RuntimeError):
@@ -124,17 +132,19 @@ class _Worker:
 
     def __init__(self, spec: bytes, mask_fd: int) -> None:
         self.context = zmq.Context()
-        self.step = self.context.socket(zmq.PAIR)
         self.compile_sock = self.context.socket(zmq.PUSH)
         reply = self.context.socket(zmq.PULL)
         self.folder = tempfile.mkdtemp(prefix="kvserve-g-")  # short: ipc paths must stay under ~100 bytes
-        addrs = [f"ipc://{self.folder}/{name}" for name in ("step", "compile", "reply")]
-        for sock, addr in zip((self.step, self.compile_sock, reply), addrs):
-            sock.bind(addr)  # ipc, not tcp: a Step's round trip 24 against 33 us (p90 34 against 101) here
+        addrs = [f"ipc://{self.folder}/{name}" for name in ("compile", "reply")]
+        for sock, addr in zip((self.compile_sock, reply), addrs):
+            sock.bind(addr)
         with tempfile.NamedTemporaryFile(prefix="kvserve-grammar-", suffix=".pkl", delete=False) as f:
             f.write(spec)
-        self.proc = subprocess.Popen([*WORKER_COMMAND, f.name, *addrs, str(mask_fd)],
-                                     pass_fds=(mask_fd,), env=_worker_env())
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([*WORKER_COMMAND, f.name, str(theirs.fileno()), *addrs, str(mask_fd)],
+                                     pass_fds=(mask_fd, theirs.fileno()), env=_worker_env())
+        theirs.close()
+        self.step = Connection(ours.detach())  # Steps and their answers (engine/grammar_worker.py STEP_FD)
         self.compiles: dict[int, tuple[Future, StructuredOutput]] = {}  # Compile.key -> (future, constraint)
         self.stopped = False
         self.ready = threading.Event()  # set once the Ready is read, or the worker is given up
@@ -152,23 +162,41 @@ class _Worker:
         """Send a Compile now, or once the worker is ready."""
         with self._lock:
             if self._queued is None:
-                self.send(self.compile_sock, data)
+                self.send_compile(data)
             else:
                 self._queued.append(data)
 
-    def send(self, sock: zmq.Socket, data: bytes) -> None:
+    def send_compile(self, data: bytes) -> None:
         """Send, waiting at most SEND_TIMEOUT_MS for the peer: a socket whose peer is gone (the worker closed
         it, so it is exiting) would block forever, while one whose connection is still being made (the compile
         socket right after Ready: CI once sent before it was up) needs a moment. Past that the worker is killed,
         and the waits that follow see it gone."""
         try:
-            if not sock.poll(SEND_TIMEOUT_MS, zmq.POLLOUT):
+            if not self.compile_sock.poll(SEND_TIMEOUT_MS, zmq.POLLOUT):
                 raise zmq.Again()
-            sock.send(data, zmq.NOBLOCK)
+            self.compile_sock.send(data, zmq.NOBLOCK)
         except zmq.Again:
-            logger.error("the grammar process is not connected: killing it")
-            self.proc.kill()
-            self.proc.wait()
+            self._kill("the grammar process is not connected: killing it")
+
+    def send_step(self, data: bytes) -> None:
+        """A Step to the worker; one that left (its end closed) is killed, and the waits that follow see it gone."""
+        try:
+            self.step.send_bytes(data)
+        except OSError:
+            self._kill("the grammar process closed its step channel: killing it")
+
+    def _kill(self, why: str) -> None:
+        logger.error(why)
+        self.proc.kill()
+        self.proc.wait()
+
+    def exit_code(self) -> int:
+        """Once its end of the step channel closed: the worker's exit code (killed if it lingers)."""
+        try:
+            return self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._kill("the grammar process closed its step channel but did not exit: killing it")
+            return self.proc.returncode
 
     def wait_ready(self, timeout_s: float) -> str | None:
         """None once the worker is ready, else why not."""
@@ -184,17 +212,19 @@ class _Worker:
             with self._lock:
                 queued, self._queued = self._queued, None
                 for data in queued if self.ready_error is None else []:
-                    self.send(self.compile_sock, data)
+                    self.send_compile(data)
             self._resolve_compiles(reply)
 
     def _read_ready(self, spec_file: str) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
-            while not self.step.poll(POLL_MS):
+            while not self.step.poll(POLL_MS / 1000):
                 if not self.alive() or time.monotonic() > deadline:
                     self.ready_error = f"no grammar process (exit code {self.proc.poll()})"
                     return
-            self.ready_error = msgspec.msgpack.decode(self.step.recv(), type=Ready).error
+            self.ready_error = msgspec.msgpack.decode(self.step.recv_bytes(), type=Ready).error
+        except (EOFError, OSError):  # its end closed: it exited
+            self.ready_error = f"no grammar process (exit code {self.exit_code()})"
         finally:
             with contextlib.suppress(FileNotFoundError):  # the worker removes it once read
                 os.unlink(spec_file)
@@ -217,7 +247,7 @@ class _Worker:
             self.proc.kill()
             self.proc.wait()
         self.thread.join(timeout=5)
-        self.step.close(linger=0)
+        self.step.close()
         self.compile_sock.close(linger=0)
         self.context.term()
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -352,7 +382,7 @@ class GrammarLink:
             if not shard.worker.ready.is_set():  # restarted and still starting: its rows are lost at once,
                 _lose(shard, grammars, self.masks[self._buffer, :len(rows)])  # not after its 3-5 s start
                 continue
-            shard.worker.send(shard.worker.step, self._encoder.encode(shard.take_step(fill, self._buffer, seq)))
+            shard.worker.send_step(self._encoder.encode(shard.take_step(fill, self._buffer, seq)))
             sent.append((shard, shard.worker, time.monotonic()))
         self._outstanding = PendingMasks(self, sent, rows, grammars, self._buffer, seq)
         self._buffer = (self._buffer + 1) % MASK_BUFFERS
@@ -384,13 +414,16 @@ class GrammarLink:
 
     def _receive(self, worker: _Worker, seq: int) -> Filled | None:
         """The worker's Filled with this seq, or None if the worker is gone (or was replaced)."""
-        while any(shard.worker is worker for shard in self.shards):
-            if worker.step.poll(POLL_MS):
-                filled = self._filled.decode(worker.step.recv())
-                if filled.seq == seq:
-                    return filled
-            elif not worker.alive():
+        while any(shard.worker is worker for shard in self.shards) and worker.alive():
+            try:
+                if not worker.step.poll(POLL_MS / 1000):
+                    continue
+                filled = self._filled.decode(worker.step.recv_bytes())
+            except (EOFError, OSError):  # its end closed: it is exiting
+                worker.exit_code()
                 return None
+            if filled.seq == seq:
+                return filled
         return None
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:

@@ -1,6 +1,6 @@
 """The grammar process: the matchers of structured outputs, away from the engine's GIL.
 
-    python -m engine.grammar_worker SPEC_FILE STEP_ADDR COMPILE_ADDR REPLY_ADDR MASK_FD   (started by GrammarLink)
+    python -m engine.grammar_worker SPEC_FILE STEP_FD COMPILE_ADDR REPLY_ADDR MASK_FD   (started by GrammarLink)
 
 Why a process: in the engine's process a matcher's consume (xgrammar's accept holds the GIL) runs on the
 engine thread, ~0.5-0.7 ms of a ~4.4-5.3 ms step at 256 rows, and the batch fill in a thread took 3.7-6.4 ms
@@ -20,6 +20,7 @@ import sys
 import time
 import threading
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
@@ -152,33 +153,29 @@ def _compiled(worker: Worker, msg: Compile) -> Compiled:
     return Compiled(msg.key)
 
 
-def serve_steps(worker: Worker, sock: zmq.Socket, parent: int) -> None:
-    """Answer each Step with its Filled, until the engine's process is gone (a send to a peer that is gone
-    would block forever, so it waits for room the same way)."""
+def serve_steps(worker: Worker, conn: Connection, parent: int) -> None:
+    """Answer each Step with its Filled, until the engine's process is gone (its end of the channel closes; a
+    parent that changed is checked too, every PARENT_CHECK_MS)."""
     decoder, encoder = msgspec.msgpack.Decoder(Step), msgspec.msgpack.Encoder()
-    while _wait(sock, zmq.POLLIN, parent):
-        received = time.monotonic()
-        filled = worker.step(decoder.decode(sock.recv()))
-        filled.received, filled.answered = received, time.monotonic()
-        answer = encoder.encode(filled)
-        if not _wait(sock, zmq.POLLOUT, parent):
-            return
-        sock.send(answer, zmq.NOBLOCK)
-
-
-def _wait(sock: zmq.Socket, event: int, parent: int) -> bool:
-    """Until the socket is ready for `event`: True; False once the engine's process is gone."""
-    while not sock.poll(PARENT_CHECK_MS, event):
-        if os.getppid() != parent:
-            return False
-    return True
+    try:
+        while True:
+            if not conn.poll(PARENT_CHECK_MS / 1000):
+                if os.getppid() != parent:
+                    return
+                continue
+            data = conn.recv_bytes()
+            received = time.monotonic()
+            filled = worker.step(decoder.decode(data))
+            filled.received, filled.answered = received, time.monotonic()
+            conn.send_bytes(encoder.encode(filled))
+    except (EOFError, OSError):  # the engine is gone
+        return
 
 
 def main(argv: list[str]) -> None:
-    spec_file, step_addr, compile_addr, reply_addr, fd = argv
+    spec_file, step_fd, compile_addr, reply_addr, fd = argv
     parent, context = os.getppid(), zmq.Context.instance()
-    sock = context.socket(zmq.PAIR)
-    sock.connect(step_addr)
+    conn = Connection(int(step_fd))
     encoder = msgspec.msgpack.Encoder()
     try:
         import torch
@@ -189,17 +186,17 @@ def main(argv: list[str]) -> None:
         os.unlink(spec_file)  # read once (the engine removes it too, should this process die first)
         worker = Worker(spec, mask_buffers(int(fd), spec.rows, (spec.vocab_size + 31) // 32))
     except Exception as exc:  # noqa: BLE001 - told to the engine, which then fills masks in its own process
-        sock.send(encoder.encode(Ready(f"{type(exc).__name__}: {exc}")))
+        conn.send_bytes(encoder.encode(Ready(f"{type(exc).__name__}: {exc}")))
         return
     pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     pull.connect(compile_addr)
     push.connect(reply_addr)
     threading.Thread(target=answer_compiles, args=(worker, pull, push), daemon=True,
                      name="kvserve-grammar-compiles").start()
-    sock.send(encoder.encode(Ready()))
-    serve_steps(worker, sock, parent)
-    if step_addr.startswith("ipc://"):  # the engine is gone (killed: it could not remove its sockets' folder)
-        shutil.rmtree(os.path.dirname(step_addr[len("ipc://"):]), ignore_errors=True)
+    conn.send_bytes(encoder.encode(Ready()))
+    serve_steps(worker, conn, parent)
+    if compile_addr.startswith("ipc://"):  # the engine is gone (killed: it could not remove its sockets' folder)
+        shutil.rmtree(os.path.dirname(compile_addr[len("ipc://"):]), ignore_errors=True)
 
 
 if __name__ == "__main__":

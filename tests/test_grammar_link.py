@@ -365,14 +365,17 @@ def test_a_grammar_process_that_does_not_start_falls_back_to_the_engine_process(
 
 
 def test_a_step_sent_to_a_worker_that_left_does_not_block(link):
-    """The worker closed its socket without dying at once: the send does not block, the worker is killed,
+    """The worker closed its step channel without dying at once: the send does not block, the worker is killed,
     the step's rows allow every token and its grammars are broken."""
-    import zmq
+    import socket
+    from multiprocessing.connection import Connection
 
     so = StructuredOutput(choice=["yes", "no"])
     rows = [SimpleNamespace(grammar=link.new_grammar(link.compile(so))) for _ in range(2)]
-    link.worker.step.close(linger=0)  # stands in for the peer gone: a fresh PAIR socket with no peer
-    link.worker.step = link.worker.context.socket(zmq.PAIR)
+    ours, theirs = socket.socketpair()
+    theirs.close()  # stands in for the worker's end closed
+    link.worker.step.close()
+    link.worker.step = Connection(ours.detach())
     start = time.monotonic()
     batch = link.start_fill(rows).result()
     assert time.monotonic() - start < 10
@@ -417,7 +420,7 @@ def test_the_grammar_process_exits_with_its_engine(tiny_model_dir):
     try:
         pid, folder = engine.stdout.readline().split()
         worker = psutil.Process(int(pid))
-        assert worker.is_running() and (Path(folder) / "step").exists()
+        assert worker.is_running() and (Path(folder) / "compile").exists()
         engine.kill()
         engine.wait()
         worker.wait(timeout=10)  # psutil.TimeoutExpired if it outlived its engine
