@@ -243,14 +243,24 @@ class ModelRunner:
 
     def use_structured(self, structured) -> None:
         """Sample under grammar masks from `structured` (None: no tokenizer, no grammars). On CUDA the mask
-        kernel is compiled now (Triton: ~1 s), not on the first constrained step."""
+        kernel is compiled now, not while serving: Triton builds a variant for a row count of 1, one for
+        multiples of 16 and one for the rest (each a fraction of a second). On an H100 a warm-up load (half
+        its rows constrained, row counts new to the kernel) spent 0.99 ms a step applying masks, against 0.27
+        at json 100% after it; this warm-up and the page-locked row index (engine/structured.py _index) are
+        the two suspects, not told apart yet (docs/benchmarks.md, ninth session)."""
         self.structured = structured
         if structured is None or self.device.type != "cuda":
             return
-        logits = torch.zeros(2, self.vocab_size, dtype=self.dtype, device=self.device)
         words = (self.vocab_size + 31) // 32
-        structured.apply(logits, MaskBatch([0], torch.full((1, words), -1, dtype=torch.int32)))
-        torch.cuda.synchronize()
+        try:
+            for rows in (1, 2, 16):  # 2 of the 16 constrained: the path for a batch only partly constrained
+                logits = torch.zeros(rows, self.vocab_size, dtype=self.dtype, device=self.device)
+                constrained = list(range(rows if rows < 16 else 2))
+                mask = torch.full((len(constrained), words), -1, dtype=torch.int32).pin_memory()
+                structured.apply(logits, MaskBatch(constrained, mask))
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - serving goes on; a constrained step would meet the error itself
+            logger.exception("warming up the grammar-mask kernel failed")
 
     def _check_warm(self) -> None:
         # A changed thread count would make every matmul shape a primitive-cache miss, built lazily while

@@ -214,7 +214,7 @@ class Masking:
         mask = self._to_device(batch.bitmask, logits.device)
         if len(batch.rows) < logits.shape[0]:  # the kernel indexes mask and logits by the same row
             full = torch.full((logits.shape[0], mask.shape[1]), -1, dtype=torch.int32, device=logits.device)
-            full[torch.tensor(batch.rows, dtype=torch.long).to(logits.device, non_blocking=True)] = mask
+            full[self._to_device(_index(batch.rows, logits.device), logits.device)] = mask
             mask = full
         self._kernel(logits, mask, vocab_size=min(logits.shape[1], mask.shape[1] * 32))
 
@@ -230,6 +230,12 @@ class Masking:
         current.wait_stream(stream)
         mask.record_stream(current)  # not reused by the side stream's pool before the current one used it
         return mask
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """The rows as an int64 tensor, page-locked for a CUDA device: a copy from pageable memory waits for the
+    stream's work queued before it (the forward pass), so the host could not run ahead."""
+    return torch.tensor(rows, dtype=torch.long, pin_memory=device.type == "cuda")
 
 
 def _xgrammar_kernel():
