@@ -69,7 +69,7 @@ class LLMEngine:
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(config.max_num_batched_tokens, self.device)
         path = self.model_path = resolve_model_path(config.model)
         self.hf_config = load_hf_config(path)
-        self.tokenizer_path = tokenizer_path(config)
+        self.tokenizer_path = tokenizer_path(config, path)
         self.tokenizer = None if self.tokenizer_path is None else load_tokenizer(self.tokenizer_path)
         self.eos_token_ids = eos_ids(self.hf_config, self.tokenizer)
         self.vocab_size = self.hf_config.vocab_size

@@ -61,10 +61,11 @@ def resolve_model_path(model: str | None) -> Path:
     return _hub_snapshot(model)
 
 
-def tokenizer_path(config) -> str | None:
-    """Where an EngineConfig's tokenizer loads from: its `tokenizer`, else the model's directory (None with
-    skip_tokenizer_init). The engine core tells its front ends before it loads the model."""
-    return None if config.skip_tokenizer_init else str(config.tokenizer or resolve_model_path(config.model))
+def tokenizer_path(config, model_path: Path) -> str | None:
+    """Where an EngineConfig's tokenizer loads from: its `tokenizer`, else the model's directory (model_path:
+    resolve_model_path(config.model)); None with skip_tokenizer_init. The engine core tells its front ends
+    before it loads the model."""
+    return None if config.skip_tokenizer_init else str(config.tokenizer or model_path)
 
 
 def _hub_snapshot(repo_id: str) -> Path:
