@@ -48,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench import server_procs  # noqa: E402
+from bench.proc_cpu import cores_between, cpu_by_role  # noqa: E402
 from bench.models import build_random_model, parse_model_config  # noqa: E402
 from bench.pair_report import PairLoad, PairRun, summarize, targets, ttft_table, wb_table  # noqa: E402
 
@@ -89,6 +90,14 @@ def bench_serve(url: str, load: PairLoad, seed: int, form: str, out: Path, timeo
     return summarize(server_procs.run_bench_serve(cmd, out, timeout_s), load, seed)
 
 
+def timed_load(server: server_procs.ServerProc, load: PairLoad, seed: int, form: str, out: Path, timeout_s: float
+               ) -> dict:
+    """bench_serve, plus the cores each of the server's roles kept busy over the load's duration."""
+    before = cpu_by_role(server.pid)
+    metrics = bench_serve(server.base_url, load, seed, form, out, timeout_s)
+    metrics["cpu_cores"] = cores_between(before, cpu_by_role(server.pid), metrics["duration"])
+    return metrics
+
 
 def _brief(m: dict) -> str:
     text = (f"{m['output_throughput']:,.0f} out tok/s, TTFT p50 {m['median_ttft_ms']:.1f} ms p99 "
@@ -99,11 +108,13 @@ def _brief(m: dict) -> str:
                  f"and valid (free ones starting with '{{': {j['free_json_start']})")
     if m.get("ttft_p50_ms") is not None:
         text += f"; after the warm-up: TTFT p50 {m['ttft_p50_ms']:.1f} ms, min {m['ttft_min_ms']:.1f} ms"
+    if m.get("cpu_cores"):
+        text += "; cores busy: " + ", ".join(f"{role} {c:.2f}" for role, c in m["cpu_cores"].items())
     return text
 
 
-def measure_system(system: str, url: str, warm: PairLoad, loads: list[PairLoad], form: str, raw: Path,
-                   clock: server_procs.Clock, args) -> list[PairRun]:
+def measure_system(system: str, server: server_procs.ServerProc, warm: PairLoad, loads: list[PairLoad], form: str,
+                   raw: Path, clock: server_procs.Clock, args) -> list[PairRun]:
     """The warm-up load, then W-B's loads alternated repetition by repetition, then the TTFT loads. A run
     that fails or no longer fits the deadline is recorded with its reason; after a run that timed out the
     server's remaining runs are skipped (a hung server would time out every one)."""
@@ -121,7 +132,7 @@ def measure_system(system: str, url: str, warm: PairLoad, loads: list[PairLoad],
         else:
             tag = f"{system}-{load.name}-{rep}".replace(" ", "_").replace("%", "pct")
             try:
-                run.metrics = bench_serve(url, load, run.seed, form, raw / f"{tag}.json", timeout)
+                run.metrics = timed_load(server, load, run.seed, form, raw / f"{tag}.json", timeout)
             except Exception as e:  # noqa: BLE001 -- recorded: one bad run must not cost the other system's phase
                 run.error = f"{type(e).__name__}: {e}"[:2000]
                 hung = isinstance(e, subprocess.TimeoutExpired) or "timed out" in str(e)
@@ -149,7 +160,7 @@ def server_phase(name: str, start, warm, loads, form: str, raw: Path, clock: ser
     clock.log(f"{name}: up at {proc.base_url} (pid {proc.pid}) after {time.monotonic() - t0:.0f} s")
     runs = []
     try:
-        runs = measure_system(name, proc.base_url, warm, loads, form, raw, clock, args)
+        runs = measure_system(name, proc, warm, loads, form, raw, clock, args)
         return runs, "measured"
     finally:
         clock.log(f"{name}: stopping")

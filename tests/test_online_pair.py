@@ -6,8 +6,10 @@ the GPU run's job."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,8 @@ def _check_system(record: dict, system: str, raw: Path) -> None:
     assert every["constrained"] == 8 and every["json_start"] == 8  # the constraint was honoured
     assert len(by_load["TTFT 200"]["ttft_all_ms"]) == 2  # 3 requests, the first one the warm-up
     assert record["figures"]["W-B json 0%|" + system]["vs_json0"] == 1.0
+    cores = by_load["W-B json 100%"]["cpu_cores"]  # the server's processes by role, over the load
+    assert cores.get("engine core", 0) > 0.05 and all(c >= 0.01 for c in cores.values())
 
 
 @pytest.mark.slow
@@ -175,3 +179,20 @@ def test_a_run_with_a_few_failed_requests_counts_and_the_table_says_so():
     table = wb_table(runs, ["vLLM"], loads, figures)
     assert figures["W-B json 100%|vLLM"]["output_throughput"] == 1000
     assert table[-1].endswith("| 61 failed |")
+
+
+def test_cpu_by_role_counts_a_busy_child_under_its_title_and_leaves_idle_roles_out():
+    """bench/proc_cpu.py: a descendant spinning for 0.6 s of a 1 s window, its command line carrying a front
+    end's title, shows as that role's busy cores."""
+    from bench.proc_cpu import cores_between, cpu_by_role
+
+    spin = "import time  # kvserve::api-server-0\nt = time.time()\nwhile time.time() - t < 0.6: pass\ntime.sleep(5)"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        before, start = cpu_by_role(os.getpid()), time.monotonic()
+        time.sleep(1.0)
+        cores = cores_between(before, cpu_by_role(os.getpid()), time.monotonic() - start)
+    finally:
+        child.kill()
+        child.wait()
+    assert 0.2 < cores["front ends"] <= 1.05 and "grammar processes" not in cores
