@@ -34,7 +34,7 @@ DOC = {"id": 12345, "title": "A fairly long title for the record that goes on fo
        "owner": {"name": "Some Person With A Name", "email": "some.one@example.com"}, "score": 3.25}
 
 
-def make(form: str, tok, vocab: int, batch: int):
+def make(form: str, tok, vocab: int, batch: int, spin_ms: float | None = None):
     """The form's structured-outputs object, as the engine makes it."""
     from engine.grammar import GrammarLimits
     from engine.grammar_link import GrammarLink
@@ -42,7 +42,8 @@ def make(form: str, tok, vocab: int, batch: int):
 
     if form == "in-process":
         return StructuredOutputs(tok, vocab, [EOS], GrammarLimits())
-    link = GrammarLink(tok, vocab, [EOS], GrammarLimits(), "auto", batch)
+    link = GrammarLink(tok, vocab, [EOS], GrammarLimits(), "auto", batch,
+                       spin_s=None if spin_ms is None else spin_ms / 1e3)
     error = link.wait_ready()
     if error is not None:
         raise SystemExit(f"the grammar process did not start: {error}")
@@ -72,7 +73,7 @@ def busy(ms: float) -> None:
 
 
 def run(form: str, args, tok, vocab: int, doc: list[int]) -> tuple[list[dict], object]:
-    structured = make(form, tok, vocab, args.batch)
+    structured = make(form, tok, vocab, args.batch, args.spin_ms)
     if hasattr(structured, "switch_interval_s"):
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     try:
@@ -114,6 +115,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--window-ms", type=float, default=2.5, help="the engine's Python between tokens and sampling")
     p.add_argument("--switch-interval-ms", type=float, default=0.2, help="in-process: the GIL switch interval")
+    p.add_argument("--spin-ms", type=float, default=None,
+                   help="grammar process: how long the engine polls for the answer before it blocks (default: "
+                        "the link's, by host cores)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     tok, vocab = load_tokenizer("wb-bpe")

@@ -27,6 +27,7 @@ import itertools
 import logging
 import os
 import pickle
+import select
 import shutil
 import socket
 import subprocess
@@ -55,6 +56,14 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 200  # how often a wait for the worker checks that it still lives
 SEND_TIMEOUT_MS = 3000  # a send waits this long for its peer (a connection still being made), then gives up
+# The engine thread spins this long for a step's answer before it blocks, on hosts of SPIN_MIN_CORES or more.
+# Through the server on H100 hosts (16 cores) the answer was read 0.2-0.27 ms after the worker sent it, while
+# the engine waited (docs/benchmarks.md, ninth and tenth sessions: the wake-up of a blocked thread); in the
+# slow repetitions of W-B json 100% (TPOT 7.5 against 5.5 ms) the engine core was busy 0.95 of a core
+# against 1.10, so it waited longer. The engine thread has nothing else to do meanwhile, and its core is
+# its own on such a host; on a smaller one it would take the worker's. Unmeasured on the GPU host so far.
+SPIN_S = 0.003
+SPIN_MIN_CORES = 8
 READY_TIMEOUT_S = 120.0  # a worker that has not started by then (importing torch, the tokenizer) is given up
 LOST = "the grammar process exited; the request's grammar state is lost"
 WORKER_COMMAND = (sys.executable, "-m", "engine.grammar_worker")  # then: SPEC_FILE STEP_FD COMPILE REPLY MASK_FD
@@ -145,6 +154,7 @@ class _Worker:
                                      pass_fds=(mask_fd, theirs.fileno()), env=_worker_env())
         theirs.close()
         self.step = Connection(ours.detach())  # Steps and their answers (engine/grammar_worker.py STEP_FD)
+        self._answers, self._polled = select.poll(), -1  # the step channel's end: poll() without a selector a call
         self.compiles: dict[int, tuple[Future, StructuredOutput]] = {}  # Compile.key -> (future, constraint)
         self.stopped = False
         self.ready = threading.Event()  # set once the Ready is read, or the worker is given up
@@ -177,6 +187,25 @@ class _Worker:
             self.compile_sock.send(data, zmq.NOBLOCK)
         except zmq.Again:
             self._kill("the grammar process is not connected: killing it")
+
+    def answered(self, spin_s: float, timeout_s: float) -> bool:
+        """Whether an answer (or the channel's end) is there to read: polled without blocking for spin_s, then
+        waited for, up to timeout_s in all."""
+        answers, spin_s = self._poller(), min(spin_s, timeout_s)
+        if spin_s > 0:
+            end = time.perf_counter() + spin_s
+            while time.perf_counter() < end:
+                if answers.poll(0):
+                    return True
+        return bool(answers.poll(max(0, int((timeout_s - spin_s) * 1000))))
+
+    def _poller(self) -> select.poll:
+        """The poll object of the step channel's current end (tests replace the channel)."""
+        fd = self.step.fileno()
+        if fd != self._polled:
+            self._answers, self._polled = select.poll(), fd
+            self._answers.register(fd, select.POLLIN)
+        return self._answers
 
     def send_step(self, data: bytes) -> None:
         """A Step to the worker; one that left (its end closed) is killed, and the waits that follow see it gone."""
@@ -287,13 +316,16 @@ class GrammarLink:
     consume holds the GIL and its batch fill gained little past 8 threads in one process (sixth session)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits, backend: str,
-                 max_rows: int, processes: int = 1) -> None:
+                 max_rows: int, processes: int = 1, spin_s: float | None = None) -> None:
+        """spin_s: how long the engine thread polls for a step's answer before it blocks (None: SPIN_S on a host
+        of SPIN_MIN_CORES usable cores or more, else 0)."""
         from engine.grammar_xgr import available as xgrammar_available
 
         self.args = (hf_tokenizer, vocab_size, eos_ids, limits, backend)  # StructuredOutputs' (the fallback)
         self.use_xgrammar = backend == "xgrammar" or backend == "auto" and xgrammar_available()
         self.words, self.rows = (vocab_size + 31) // 32, max_rows
         threads = None if processes == 1 else max(1, usable_cores() // (2 * processes))
+        self.spin_s = spin_s if spin_s is not None else SPIN_S if usable_cores() >= SPIN_MIN_CORES else 0.0
         self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows,
                                              threads))
         nbytes = MASK_BUFFERS * max_rows * self.words * 4
@@ -416,7 +448,7 @@ class GrammarLink:
         """The worker's Filled with this seq, or None if the worker is gone (or was replaced)."""
         while any(shard.worker is worker for shard in self.shards) and worker.alive():
             try:
-                if not worker.step.poll(POLL_MS / 1000):
+                if not worker.answered(self.spin_s, POLL_MS / 1000):
                     continue
                 filled = self._filled.decode(worker.step.recv_bytes())
             except (EOFError, OSError):  # its end closed: it is exiting

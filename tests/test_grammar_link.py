@@ -383,6 +383,33 @@ def test_a_step_sent_to_a_worker_that_left_does_not_block(link):
     assert not link.worker.alive()
 
 
+def test_the_engine_spins_for_an_answer_and_a_hang_up_ends_the_spin(link, monkeypatch):
+    """With a 5 s spin the answer is read once it is there, not after the spin, and the masks equal a blocking
+    wait's; a worker killed while the engine spins (stopped first, so it cannot answer) ends the wait at
+    once: its rows allow every token and its grammars are broken."""
+    import threading
+
+    from engine import grammar_link
+
+    monkeypatch.setattr(grammar_link, "POLL_MS", 10_000)  # a spin is capped at the wait's own timeout
+    compiled = link.compile(StructuredOutput(choice=["yes", "no"]))
+    rows = [SimpleNamespace(grammar=link.new_grammar(compiled)) for _ in range(2)]
+    link.spin_s = 0.0
+    blocking = link.fill(rows).bitmask.clone()
+    link.spin_s = 5.0
+    start = time.monotonic()
+    spun = link.fill(rows).bitmask.clone()
+    assert time.monotonic() - start < 2.0 and torch.equal(spun, blocking)
+    assert not bool((blocking == -1).all())  # a real mask: "yes" / "no" only
+    os.kill(link.worker.proc.pid, signal.SIGSTOP)
+    pending = link.start_fill(rows)
+    threading.Timer(0.3, kill_worker, args=(link,)).start()
+    start = time.monotonic()
+    batch = pending.result()
+    assert time.monotonic() - start < 2.0
+    assert bool((batch.bitmask == -1).all()) and all(r.grammar.broken for r in rows)
+
+
 def test_a_failing_step_fails_its_requests_not_the_grammar_process():
     """An exception inside the worker's step (here a matcher's accept raises) breaks that step's grammars, so
     their requests end with an error, and the worker answers as usual instead of dying (a restarted worker
