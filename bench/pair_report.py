@@ -84,6 +84,8 @@ def constrained_indices(num: int, fraction: float, seed: int) -> list[int]:
 def summarize(result: dict, load: PairLoad, seed: int) -> dict:
     """One run's figures from its bench serve result file."""
     metrics = {k: result[k] for k in SUMMARY_KEYS}
+    if result.get("engine"):  # kvserve's engine counters over the timed window (bench/engine_counters.py)
+        metrics["engine"] = result["engine"]
     if load.structured_fraction:
         metrics["json"] = json_check(result["generated_texts"],
                                      constrained_indices(len(result["generated_texts"]), load.structured_fraction,

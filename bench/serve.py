@@ -21,6 +21,7 @@ from datetime import datetime
 
 import numpy as np
 
+from bench import engine_counters
 from bench.datasets import SampleRequest, add_dataset_arguments, load_tokenizer, requests_from_args
 from bench.serve_client import (ClientShare, RequestResult, count_output_tokens, first_model, make_session,
                                 run_async, timed_request)
@@ -183,15 +184,17 @@ def send_all(args, base_url: str, bodies: list[dict], requests: list[SampleReque
         return run_shares(shares, pbar.update)
 
 
-def run_benchmark(args, base_url: str, requests: list[SampleRequest]) -> tuple[str, list, float]:
-    """Warm up, then run; returns (model, results, duration). Raises RuntimeError if the warm-up fails."""
+def run_benchmark(args, base_url: str, requests: list[SampleRequest]) -> tuple[str, list, float, dict]:
+    """Warm up, then run; returns (model, results, duration, the engine's figures over the run: from kvserve's
+    /metrics, bench/engine_counters.py, else {}). Raises RuntimeError if the warm-up fails."""
     model, bodies = run_async(prepare(args, base_url, requests))
     workers = max(1, min(args.num_workers, len(requests), args.max_concurrency or len(requests)))
     print(f"Model: {model}; request rate: {args.request_rate}; burstiness: {args.burstiness} "
           f"({'Poisson' if args.burstiness == 1 else 'gamma'}); max concurrency: {args.max_concurrency}; "
           f"client processes: {workers}")
+    counted = engine_counters.scrape(base_url)
     results, duration = send_all(args, base_url, bodies, requests)
-    return model, results, duration
+    return model, results, duration, engine_counters.between(counted, engine_counters.scrape(base_url), duration)
 
 
 # ------------------------------------------------------------------------------------------------- output
@@ -233,7 +236,7 @@ def main(args: argparse.Namespace) -> int:
         base_url, slos_ms, percentiles = check_args(args)
         tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
         requests = requests_from_args(args, tokenizer)
-        model, results, duration = run_benchmark(args, base_url, requests)
+        model, results, duration, engine = run_benchmark(args, base_url, requests)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"bench serve: {e}", file=sys.stderr)
         return 1
@@ -244,7 +247,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"failed request: {r.error}", file=sys.stderr)
     if args.result_json:
         with open(args.result_json, "w") as f:
-            json.dump(result_record(args, model, metrics, results, slos_ms), f, indent=1)
+            json.dump({**result_record(args, model, metrics, results, slos_ms), "engine": engine}, f, indent=1)
     if args.plot:
         rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
         write_plot(args.plot, results, duration, f"{args.label or f'{model} @ {base_url}'}: {len(requests)} "

@@ -38,7 +38,7 @@ def one_run(stub: RunningStub, workers: int, num_prompts: int, output_len: int) 
     base_url, _, percentiles = check_args(args)
     cpu_before = stub.cpu_seconds()
     with contextlib.redirect_stdout(io.StringIO()):
-        _, results, duration = run_benchmark(args, base_url, requests_from_args(args))
+        _, results, duration, _ = run_benchmark(args, base_url, requests_from_args(args))
     stub_cpu = stub.cpu_seconds() - cpu_before
     m = compute_metrics(results, duration, {}, percentiles)
     return {"duration_s": duration, "completed": m["completed"], "failed": m["failed"],

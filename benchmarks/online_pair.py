@@ -92,7 +92,8 @@ def bench_serve(url: str, load: PairLoad, seed: int, form: str, out: Path, timeo
 
 def timed_load(server: server_procs.ServerProc, load: PairLoad, seed: int, form: str, out: Path, timeout_s: float
                ) -> dict:
-    """bench_serve, plus the cores each of the server's roles kept busy over the load's duration."""
+    """bench_serve (with kvserve, what its engine did over the load: bench/engine_counters.py), plus the cores
+    each of the server's roles kept busy over the load's duration."""
     before = cpu_by_role(server.pid)
     metrics = bench_serve(server.base_url, load, seed, form, out, timeout_s)
     metrics["cpu_cores"] = cores_between(before, cpu_by_role(server.pid), metrics["duration"])
@@ -110,6 +111,11 @@ def _brief(m: dict) -> str:
         text += f"; after the warm-up: TTFT p50 {m['ttft_p50_ms']:.1f} ms, min {m['ttft_min_ms']:.1f} ms"
     if m.get("cpu_cores"):
         text += "; cores busy: " + ", ".join(f"{role} {c:.2f}" for role, c in m["cpu_cores"].items())
+    if m.get("engine"):
+        e = m["engine"]
+        text += (f"; engine: {e['steps']} steps, {e['tokens_per_step']} tokens a step, busy {e['busy_ms_per_step']:.2f}"
+                 f" ms a step ({e['busy_share']:.0%} of the load), mask wait {e['mask_wait_ms_per_masked_step']:.2f} ms"
+                 f" a masked step")
     return text
 
 

@@ -3,6 +3,7 @@ the server drives it from the engine-core process (engine/core/), offline LLM.ge
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,9 @@ class EngineStats:
     idle_invariant_violations: int
     num_steps: int
     grammar_process_restarts: int = 0
+    structured_steps: int = 0  # steps sampled under grammar masks
+    structured_mask_wait_seconds: float = 0.0  # the engine thread's wait for those masks, summed
+    busy_seconds: float = 0.0  # time spent in step(), summed
 
 
 @dataclass
@@ -93,6 +97,7 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # caller's request id -> child ids
         self._pending: list[StepOutput] = []  # outputs made between steps (aborts), returned by the next step
         self._prompt_tokens = self._generation_tokens = self._idle_violations = self._steps = 0
+        self._busy_s = 0.0  # time in step(): stats() -> the busy-seconds counter
         self._idle_checked = True  # the invariant is checked once per busy -> idle transition
         # Overlap host work with the device's: only a GPU runs ahead of the host.
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
@@ -182,6 +187,14 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One engine step (_step), its time counted into the busy seconds."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._busy_s += time.perf_counter() - start
+
+    def _step(self) -> list[StepOutput]:
         """Schedule and launch step N, then finish step N-1 while the device works on N (on CUDA, when no
         live request needs the host to know every token before sampling the next: penalties, min_tokens).
         A launched step with rows under a grammar is sampled at the next call (_step_behind_masks)."""
@@ -423,4 +436,5 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(), self._prompt_tokens, self._generation_tokens,
-                           self._idle_violations, self._steps, getattr(self.structured, "restarts", 0))
+                           self._idle_violations, self._steps, getattr(self.structured, "restarts", 0),
+                           self.runner.masked_steps, self.runner.mask_wait_s, self._busy_s)

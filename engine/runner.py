@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -206,6 +207,7 @@ class ModelRunner:
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
         self.structured = None  # engine.structured.StructuredOutputs, set by the engine when it has a tokenizer
+        self.masked_steps, self.mask_wait_s = 0, 0.0  # steps sampled under grammar masks; their wait for them
         self.decode_graphs: CudaGraphSteps | None = None
         self.mixed_graphs: CudaGraphSteps | None = None
         self._last = StepHandle([], [], None, None, None, None)  # the step launched most recently
@@ -348,8 +350,11 @@ class ModelRunner:
         logits, handle.logits = handle.logits, None
         if self.structured is not None:
             started, handle.masks = handle.masks, None
+            waited = time.perf_counter()
             masks = started.result() if started is not None else self.structured.fill(handle.requests)
             if masks is not None:
+                self.masked_steps += 1
+                self.mask_wait_s += time.perf_counter() - waited
                 self.structured.apply(logits, masks)
         handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
         if self.device.type == "cuda":

@@ -35,7 +35,11 @@ _COUNTERS = (("prefix_cache_queries", "prompt tokens looked up in the prefix cac
              ("idle_invariant_violations", "times the engine went idle with KV blocks still held by no request",
               "idle_invariant_violations"),
              ("grammar_process_restarts", "grammar processes started again after one died (their constrained "
-              "requests failed)", "grammar_process_restarts"))
+              "requests failed)", "grammar_process_restarts"),
+             ("structured_steps", "engine steps sampled under grammar masks", "structured_steps"),
+             ("structured_mask_wait_seconds", "the engine's wait for grammar masks before sampling, summed over "
+              "those steps", "structured_mask_wait_seconds"),
+             ("engine_busy_seconds", "time the engine spent in its steps (idle waits excluded)", "busy_seconds"))
 
 
 class _EngineStatsCollector:

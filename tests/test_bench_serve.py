@@ -308,6 +308,7 @@ def test_thirty_requests_at_a_finite_rate_and_at_inf_with_a_cap(standin, tmp_pat
     assert capped["request_rate"] == "inf" and capped["max_concurrency"] == 3
     assert 1 <= capped["max_concurrent_requests"] <= 3
     assert capped["request_goodput"] == pytest.approx(capped["request_throughput"])  # generous SLOs
+    assert capped["engine"] == {}  # a server without kvserve's engine counters: no engine figures
 
 
 @pytest.mark.parametrize("standin", [{"tokens_per_chunk": 3}], indirect=True)
@@ -394,6 +395,9 @@ def test_real_server_thirty_requests_finite_rate_and_capped_inf(kvserve_url, tin
     assert finite["model_id"]  # found through /v1/models
     sent = [len(r.prompt) for r in random_requests(30, 16, 6, 0.5, seed=0)]
     assert finite["input_lens"] == sent  # the server's usage.prompt_tokens agrees with what was sent
+    engine = finite["engine"]  # kvserve's engine over the timed run (the warm-up request left out)
+    assert 0 < engine["steps"] and engine["masked_steps"] == 0 and 0 < engine["busy_share"] <= 1.05
+    assert 1.0 <= engine["tokens_per_step"] <= 30  # 30 requests, each of up to 9 tokens
     # Text prompts (vLLM's way, through the model's tokenizer), all at once, at most 10 in flight.
     rc, capped = run_bench(kvserve_url, tmp_path, *common, "--max-concurrency", "10", "--tokenizer",
                            str(tiny_model_dir("llama")), "--plot", str(tmp_path / "real.png"), name="capped")

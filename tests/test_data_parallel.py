@@ -31,7 +31,8 @@ MAX_WAITING = 2
 LONG = {"max_tokens": 1900, "ignore_eos": True, "temperature": 0}  # ~10 s each: aborted long before
 ENGINE_GAUGES = ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached")
 ENGINE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens",
-                   "generation_tokens", "engine_steps", "idle_invariant_violations", "grammar_process_restarts")
+                   "generation_tokens", "engine_steps", "idle_invariant_violations", "grammar_process_restarts",
+                   "structured_steps", "structured_mask_wait_seconds", "engine_busy_seconds")
 
 
 # ---------------------------------------------------------------------------------------------- dispatcher

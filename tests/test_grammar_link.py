@@ -72,6 +72,20 @@ def kill_worker(link: GrammarLink) -> None:
     link.worker.proc.wait()
 
 
+def test_the_engine_counts_its_masked_steps_and_their_wait(remote):
+    """stats(): a constrained request adds one masked step per token sampled under its mask, and the engine's wait
+    for those masks; a free request adds none (both count into the time spent in steps)."""
+    before = remote.engine.stats()
+    run(remote, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    free = remote.engine.stats()
+    assert free.structured_steps == before.structured_steps and free.busy_seconds > before.busy_seconds
+    out = run(remote, PROMPTS[:1], choice_params())
+    after = remote.engine.stats()
+    assert after.structured_steps - free.structured_steps == len(out[0])  # "yes" / "no" / "maybe", then EOS
+    assert 0 < after.structured_mask_wait_seconds - free.structured_mask_wait_seconds
+    assert after.structured_mask_wait_seconds < after.busy_seconds
+
+
 def test_the_engine_links_to_a_grammar_process(remote, local):
     assert isinstance(remote.engine.structured, GrammarLink)
     assert type(local.engine.structured) is StructuredOutputs
@@ -299,6 +313,8 @@ def test_server_survives_its_grammar_process_killed(tiny_model_dir):
         metrics = parse_metrics(httpx.get(base + "/metrics").text)
         assert metrics["kvserve_kv_blocks_used"] == 0
         assert metrics["kvserve_grammar_process_restarts_total"] == 1
+        steps, waited = metrics["kvserve_structured_steps_total"], metrics["kvserve_structured_mask_wait_seconds_total"]
+        assert steps >= 20 and 0 < waited < metrics["kvserve_engine_busy_seconds_total"]  # 3 constrained requests
         children = psutil.Process(proc.pid).children(recursive=True)
         assert stop_process(proc)[0] == 0
         assert not [p for p in psutil.wait_procs(children, timeout=10)[1]]

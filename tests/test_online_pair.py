@@ -137,6 +137,11 @@ def _check_system(record: dict, system: str, raw: Path) -> None:
     assert record["figures"]["W-B json 0%|" + system]["vs_json0"] == 1.0
     cores = by_load["W-B json 100%"]["cpu_cores"]  # the server's processes by role, over the load
     assert cores.get("engine core", 0) > 0.05 and all(c >= 0.01 for c in cores.values())
+    engine = {load: by_load[load]["engine"] for load in ("W-B json 0%", "W-B json 100%")}  # kvserve's counters
+    if system == "kvserve":
+        assert engine["W-B json 0%"]["masked_steps"] == 0 < engine["W-B json 100%"]["masked_steps"]
+        assert engine["W-B json 100%"]["steps"] >= engine["W-B json 100%"]["masked_steps"]
+        assert 0 < engine["W-B json 100%"]["busy_share"] <= 1.05
 
 
 @pytest.mark.slow

@@ -79,6 +79,9 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     num_steps: int = 0
     num_unfinished: int = 0  # engine requests (all completions) not finished yet, every front end's
     grammar_process_restarts: int = 0  # grammar processes started again after one died (engine/grammar_link.py)
+    structured_steps: int = 0  # steps sampled under grammar masks
+    structured_mask_wait_seconds: float = 0.0  # the engine thread's wait for their masks, summed
+    busy_seconds: float = 0.0  # the engine's time in its steps, summed
 
     def as_dead(self) -> CoreStats:
         """A dead core's stats: it holds nothing, so the gauges read 0; the cumulative counters keep their last

@@ -1,0 +1,43 @@
+"""What a load did inside kvserve's engine core, from two scrapes of the server's /metrics around it: steps,
+tokens a step, the engine's busy time a step and its share of the load, and the wait for grammar masks per
+masked step. Through the real server (several front ends) that places a slowdown: the engine's steps got
+longer, or more of them ran with fewer rows, or the engine waited for masks. Other servers give no kvserve_*
+series: then nothing.
+"""
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+COUNTERS = ("engine_steps", "generation_tokens", "engine_busy_seconds", "structured_steps",
+            "structured_mask_wait_seconds")
+
+
+def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """kvserve's engine counters (summed over its cores) by short name; {} when the server has none."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    wanted = {f"kvserve_{name}": name for name in COUNTERS}
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in wanted:
+            found[wanted[family.name]] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return found
+
+
+def between(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict[str, float]:
+    """The load's engine figures from two scrapes `duration_s` of load apart ({} without kvserve's series)."""
+    if not before or not after:
+        return {}
+    d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in COUNTERS}
+    steps = max(d["engine_steps"], 1)
+    masked = d["structured_steps"]
+    return {"steps": int(d["engine_steps"]), "tokens_per_step": round(d["generation_tokens"] / steps, 1),
+            "busy_ms_per_step": round(d["engine_busy_seconds"] * 1e3 / steps, 3),
+            "busy_share": round(d["engine_busy_seconds"] / duration_s, 3),
+            "masked_steps": int(masked),
+            "mask_wait_ms_per_masked_step": round(d["structured_mask_wait_seconds"] * 1e3 / masked, 3) if masked else 0.0}
