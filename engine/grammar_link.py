@@ -22,40 +22,31 @@ engine, its unconstrained requests and the other workers' grammars go on.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
 import pickle
-import select
-import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
-from pathlib import Path
 
 import msgspec
 import torch
-import zmq
 
 from engine.config import usable_cores
 from engine.grammar import LRU, GrammarLimits
-from engine.grammar_messages import Compile, Compiled, Filled, NewMatcher, Ready, Step
+from engine.grammar_messages import Compile, Filled, NewMatcher, Step
+from engine.grammar_process import (LOST, POLL_MS, READY_TIMEOUT_S, GrammarProcess, GrammarProcessError,  # noqa: F401
+                                    kill_all)
 from engine.grammar_worker import MASK_BUFFERS, OTHERS, WorkerSpec, mask_buffers
-from engine.request import Request, RequestError, StructuredOutput
+from engine.request import Request, StructuredOutput
 from engine.structured import CACHE_SIZE, Masking, MaskBatch
 
 logger = logging.getLogger(__name__)
 
-POLL_MS = 200  # how often a wait for the worker checks that it still lives
-SEND_TIMEOUT_MS = 3000  # a send waits this long for its peer (a connection still being made), then gives up
 # The engine thread spins this long for a step's answer before it blocks, on hosts of SPIN_MIN_CORES or more.
 # Through the server on H100 hosts (16 cores) the answer was read 0.2-0.27 ms after the worker sent it, while
 # the engine waited (docs/benchmarks.md, ninth and tenth sessions: the wake-up of a blocked thread); in the
@@ -64,15 +55,6 @@ SEND_TIMEOUT_MS = 3000  # a send waits this long for its peer (a connection stil
 # its own on such a host; on a smaller one it would take the worker's. Unmeasured on the GPU host so far.
 SPIN_S = 0.003
 SPIN_MIN_CORES = 8
-READY_TIMEOUT_S = 120.0  # a worker that has not started by then (importing torch, the tokenizer) is given up
-LOST = "the grammar process exited; the request's grammar state is lost"
-WORKER_COMMAND = (sys.executable, "-m", "engine.grammar_worker")  # then: SPEC_FILE STEP_FD COMPILE REPLY MASK_FD
-
-
-class GrammarProcessError(RuntimeError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class Shard:
@@ -80,7 +62,7 @@ class Shard:
     matchers dropped since its last one. A grammar lives in one shard (its gid modulo their number)."""
     __slots__ = ("index", "worker", "new", "accept_gids", "accept_tokens", "dropped", "live")
 
-    def __init__(self, index: int, worker: _Worker) -> None:
+    def __init__(self, index: int, worker: GrammarProcess) -> None:
         self.index, self.worker, self.live = index, worker, 0
         self.new: list[NewMatcher] = []
         self.accept_gids: list[int] = []
@@ -121,7 +103,7 @@ class PendingMasks:
     masks). `sent`: (shard, worker, time.monotonic() of the send) for each that was sent one."""
     __slots__ = ("link", "sent", "rows", "grammars", "buffer", "seq", "batch")
 
-    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, _Worker, float]], rows: list[int], grammars: list,
+    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, GrammarProcess, float]], rows: list[int], grammars: list,
                  buffer: int, seq: int) -> None:
         self.link, self.sent, self.rows, self.grammars, self.buffer = link, sent, rows, grammars, buffer
         self.seq = seq
@@ -131,183 +113,6 @@ class PendingMasks:
         if self.batch is None:
             self.batch = self.link._collect(self)
         return self.batch
-
-
-class _Worker:
-    """One grammar process: its sockets, and the futures of its compiles in flight. Its thread reads the worker's
-    Ready (on the step socket, which nothing else touches until then), sends the compiles queued meanwhile,
-    then resolves every Compiled. So a new worker starts without stopping the engine: the compiles wait for it,
-    the steps of unconstrained requests do not (a restart stalled every request 3-5 s on the CPU)."""
-
-    def __init__(self, spec: bytes, mask_fd: int) -> None:
-        self.context = zmq.Context()
-        self.compile_sock = self.context.socket(zmq.PUSH)
-        reply = self.context.socket(zmq.PULL)
-        self.folder = tempfile.mkdtemp(prefix="kvserve-g-")  # short: ipc paths must stay under ~100 bytes
-        addrs = [f"ipc://{self.folder}/{name}" for name in ("compile", "reply")]
-        for sock, addr in zip((self.compile_sock, reply), addrs):
-            sock.bind(addr)
-        with tempfile.NamedTemporaryFile(prefix="kvserve-grammar-", suffix=".pkl", delete=False) as f:
-            f.write(spec)
-        ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([*WORKER_COMMAND, f.name, str(theirs.fileno()), *addrs, str(mask_fd)],
-                                     pass_fds=(mask_fd, theirs.fileno()), env=_worker_env())
-        theirs.close()
-        self.step = Connection(ours.detach())  # Steps and their answers (engine/grammar_worker.py STEP_FD)
-        self._answers, self._polled = select.poll(), -1  # the step channel's end: poll() without a selector a call
-        self.compiles: dict[int, tuple[Future, StructuredOutput]] = {}  # Compile.key -> (future, constraint)
-        self.stopped = False
-        self.ready = threading.Event()  # set once the Ready is read, or the worker is given up
-        self.ready_error: str | None = None
-        self._lock = threading.Lock()  # the compile socket and its queue: the engine's thread and this one's
-        self._queued: list[bytes] | None = []  # compiles sent before Ready; None once Ready is read
-        self.thread = threading.Thread(target=self._serve, args=(reply, f.name), daemon=True,
-                                       name="kvserve-grammar-replies")
-        self.thread.start()
-
-    def alive(self) -> bool:
-        return not self.stopped and self.proc.poll() is None
-
-    def compile(self, data: bytes) -> None:
-        """Send a Compile now, or once the worker is ready."""
-        with self._lock:
-            if self._queued is None:
-                self.send_compile(data)
-            else:
-                self._queued.append(data)
-
-    def send_compile(self, data: bytes) -> None:
-        """Send, waiting at most SEND_TIMEOUT_MS for the peer: a socket whose peer is gone (the worker closed
-        it, so it is exiting) would block forever, while one whose connection is still being made (the compile
-        socket right after Ready: CI once sent before it was up) needs a moment. Past that the worker is killed,
-        and the waits that follow see it gone."""
-        try:
-            if not self.compile_sock.poll(SEND_TIMEOUT_MS, zmq.POLLOUT):
-                raise zmq.Again()
-            self.compile_sock.send(data, zmq.NOBLOCK)
-        except zmq.Again:
-            self._kill("the grammar process is not connected: killing it")
-
-    def answered(self, spin_s: float, timeout_s: float) -> bool:
-        """Whether an answer (or the channel's end) is there to read: polled without blocking for spin_s, then
-        waited for, up to timeout_s in all."""
-        answers, spin_s = self._poller(), min(spin_s, timeout_s)
-        if spin_s > 0:
-            end = time.perf_counter() + spin_s
-            while time.perf_counter() < end:
-                if answers.poll(0):
-                    return True
-        return bool(answers.poll(max(0, int((timeout_s - spin_s) * 1000))))
-
-    def _poller(self) -> select.poll:
-        """The poll object of the step channel's current end (tests replace the channel)."""
-        fd = self.step.fileno()
-        if fd != self._polled:
-            self._answers, self._polled = select.poll(), fd
-            self._answers.register(fd, select.POLLIN)
-        return self._answers
-
-    def send_step(self, data: bytes) -> None:
-        """A Step to the worker; one that left (its end closed) is killed, and the waits that follow see it gone."""
-        try:
-            self.step.send_bytes(data)
-        except OSError:
-            self._kill("the grammar process closed its step channel: killing it")
-
-    def _kill(self, why: str) -> None:
-        logger.error(why)
-        self.proc.kill()
-        self.proc.wait()
-
-    def exit_code(self) -> int:
-        """Once its end of the step channel closed: the worker's exit code (killed if it lingers)."""
-        try:
-            return self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._kill("the grammar process closed its step channel but did not exit: killing it")
-            return self.proc.returncode
-
-    def wait_ready(self, timeout_s: float) -> str | None:
-        """None once the worker is ready, else why not."""
-        if not self.ready.wait(timeout_s):
-            return f"no grammar process after {timeout_s:.0f} s"
-        return self.ready_error
-
-    def _serve(self, reply: zmq.Socket, spec_file: str) -> None:
-        with reply:
-            self._read_ready(spec_file)
-            if self.ready_error is not None:
-                logger.error("the grammar process did not start: %s", self.ready_error)
-            with self._lock:
-                queued, self._queued = self._queued, None
-                for data in queued if self.ready_error is None else []:
-                    self.send_compile(data)
-            self._resolve_compiles(reply)
-
-    def _read_ready(self, spec_file: str) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        try:
-            while not self.step.poll(POLL_MS / 1000):
-                if not self.alive() or time.monotonic() > deadline:
-                    self.ready_error = f"no grammar process (exit code {self.proc.poll()})"
-                    return
-            self.ready_error = msgspec.msgpack.decode(self.step.recv_bytes(), type=Ready).error
-        except (EOFError, OSError):  # its end closed: it exited
-            self.ready_error = f"no grammar process (exit code {self.exit_code()})"
-        finally:
-            with contextlib.suppress(FileNotFoundError):  # the worker removes it once read
-                os.unlink(spec_file)
-            self.ready.set()
-
-    def _resolve_compiles(self, reply: zmq.Socket) -> None:
-        """Each Compiled resolves its future (with the constraint, which new_grammar sends on). Once the worker
-        is gone every compile waiting, or registered later, fails, until stop()."""
-        decoder = msgspec.msgpack.Decoder(Compiled)
-        while not self.stopped:
-            if reply.poll(POLL_MS):
-                _resolve(decoder.decode(reply.recv()), self.compiles)
-            elif self.proc.poll() is not None:
-                _fail_all(self.compiles)
-        _fail_all(self.compiles)
-
-    def stop(self) -> None:
-        self.stopped = True
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.thread.join(timeout=5)
-        self.step.close()
-        self.compile_sock.close(linger=0)
-        self.context.term()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _resolve(msg: Compiled, compiles: dict[int, tuple[Future, StructuredOutput]]) -> None:
-    future, constraint = compiles.pop(msg.key, (None, None))
-    if future is None:
-        return
-    if msg.error is None:
-        future.set_result(constraint)
-    elif msg.code is not None:
-        future.set_exception(RequestError(msg.error, msg.code, msg.param))
-    else:
-        future.set_exception(GrammarProcessError(msg.error))
-
-
-def _fail_all(compiles: dict[int, tuple[Future, StructuredOutput]]) -> None:
-    for key in list(compiles):
-        future, _ = compiles.pop(key, (None, None))
-        if future is not None and not future.done():
-            future.set_exception(GrammarProcessError(LOST))
-
-
-def _worker_env() -> dict[str, str]:
-    """The engine's environment, with this checkout importable and no GPU (the worker maps host memory only)."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
 
 
 class GrammarLink:
@@ -344,10 +149,10 @@ class GrammarLink:
         self._filled = msgspec.msgpack.Decoder(Filled)
         self.shards = [Shard(k, self._start_worker()) for k in range(processes)]
         self._workers = [shard.worker for shard in self.shards]  # every worker started, killed at exit
-        weakref.finalize(self, _kill, self._workers)
+        weakref.finalize(self, kill_all, self._workers)
 
     @property
-    def worker(self) -> _Worker:
+    def worker(self) -> GrammarProcess:
         """The first shard's worker (the only one by default)."""
         return self.shards[0].worker
 
@@ -356,8 +161,8 @@ class GrammarLink:
         """Matchers the workers hold, as of their last Filled (tests check that none leak)."""
         return sum(shard.live for shard in self.shards)
 
-    def _start_worker(self) -> _Worker:
-        return _Worker(self._spec, self._mask_file.fileno())
+    def _start_worker(self) -> GrammarProcess:
+        return GrammarProcess(self._spec, self._mask_file.fileno())
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str | None:
         """None once every worker is ready, else why not (the engine then fills masks in its own process)."""
@@ -444,7 +249,7 @@ class GrammarLink:
             self.worker_s[name] += seconds
         return MaskBatch(pending.rows, rows)
 
-    def _receive(self, worker: _Worker, seq: int) -> Filled | None:
+    def _receive(self, worker: GrammarProcess, seq: int) -> Filled | None:
         """The worker's Filled with this seq, or None if the worker is gone (or was replaced)."""
         while any(shard.worker is worker for shard in self.shards) and worker.alive():
             try:
@@ -532,14 +337,6 @@ def mask_dir(nbytes: int, shm: str = "/dev/shm") -> str | None:
     except OSError:
         return None
     return shm if st.f_bavail * st.f_frsize >= 2 * nbytes else None
-
-
-def _kill(workers: list[_Worker]) -> None:
-    """At exit (or when the link is collected unshut): every worker's process killed, its socket folder gone."""
-    for worker in workers:
-        if worker.proc.poll() is None:
-            worker.proc.kill()
-        shutil.rmtree(worker.folder, ignore_errors=True)
 
 
 def _pin(masks: torch.Tensor) -> bool:

@@ -339,7 +339,7 @@ def test_a_compile_waiting_on_a_dead_worker_fails(link):
     request waits forever for its grammar."""
     from concurrent.futures import Future
 
-    from engine.grammar_link import GrammarProcessError
+    from engine.grammar_process import GrammarProcessError
 
     kill_worker(link)
     time.sleep(0.5)
@@ -370,9 +370,9 @@ def test_a_grammar_process_that_does_not_start_falls_back_to_the_engine_process(
                                                                                  caplog):
     import sys
 
-    from engine import grammar_link
+    from engine import grammar_process
 
-    monkeypatch.setattr(grammar_link, "WORKER_COMMAND", (sys.executable, "-c", "raise SystemExit(3)"))
+    monkeypatch.setattr(grammar_process, "WORKER_COMMAND", (sys.executable, "-c", "raise SystemExit(3)"))
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, structured_outputs_process=True)
     assert type(llm.engine.structured) is StructuredOutputs
     assert "did not start" in caplog.text and "exit code 3" in caplog.text
