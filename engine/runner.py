@@ -245,11 +245,12 @@ class ModelRunner:
 
     def use_structured(self, structured) -> None:
         """Sample under grammar masks from `structured` (None: no tokenizer, no grammars). On CUDA the mask
-        kernel is compiled now, not while serving: Triton builds a variant for a row count of 1, one for
-        multiples of 16 and one for the rest (each a fraction of a second). On an H100 a warm-up load (half
-        its rows constrained, row counts new to the kernel) spent 0.99 ms a step applying masks, against 0.27
-        at json 100% after it; this warm-up and the page-locked row index (engine/structured.py _index) are
-        the two suspects, not told apart yet (docs/benchmarks.md, ninth session)."""
+        kernel is checked against the reference and compiled now, not while serving (engine/mask_kernel.py;
+        xgrammar's, if that one is not used, has a Triton variant for a row count of 1, one for multiples of 16
+        and one for the rest, each a fraction of a second). On an H100 a warm-up load (half its rows
+        constrained, row counts new to xgrammar's kernel) spent 0.99 ms a step applying masks before this
+        warm-up and the page-locked row index (engine/structured.py _index), 0.15 ms after them
+        (docs/benchmarks.md, ninth and tenth sessions)."""
         self.structured = structured
         if structured is None or self.device.type != "cuda":
             return

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import mask_kernel
 from engine.grammar import LRU, EosAliases, GrammarLimits, grammar_text, llg_tokenizer
 from engine.grammar_xgr import XgrCompiled, XgrCompiler, XgrGrammar
 from engine.grammar_xgr import available as xgrammar_available
@@ -193,9 +194,10 @@ def split_by_engine(grammars: list[tuple]) -> tuple[list, list]:
 
 
 class Masking:
-    """Applies a step's bitmasks to its logits: xgrammar's kernel (Triton on CUDA, C++ on the CPU) when
-    xgrammar is installed, else apply_reference. On CUDA the mask's copy runs on a stream of its own, so it
-    overlaps the forward pass instead of queueing behind it.
+    """Applies a step's bitmasks to its logits: on CUDA kvserve's kernel (engine/mask_kernel.py, once it passed
+    its self-check on that device and dtype), else xgrammar's (Triton on CUDA, C++ on the CPU) when xgrammar
+    is installed, else apply_reference. On CUDA the mask's copy runs on a stream of its own, so it overlaps
+    the forward pass instead of queueing behind it.
 
     Why a kernel: at batch 256 of a 151,936-token vocabulary the reference unpacks every bit into int32
     tensors (~0.7 GB of device memory traffic, six launches) where the kernel reads the 4.9 MB mask and
@@ -205,9 +207,15 @@ class Masking:
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._kernel = _xgrammar_kernel()
+        self._own: dict[tuple[torch.device, torch.dtype], bool] = {}  # mask_kernel passed its self-check there
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
+        if logits.is_cuda and self._use_own(logits):
+            in_order = len(batch.rows) == logits.shape[0] and batch.rows == list(range(len(batch.rows)))  # ~2 us
+            rows = None if in_order else self._to_device(_index(batch.rows, logits.device), logits.device)
+            mask_kernel.apply_mask(logits, self._to_device(batch.bitmask, logits.device), rows)
+            return
         if self._kernel is None:
             apply_reference(logits, batch)
             return
@@ -217,6 +225,20 @@ class Masking:
             full[self._to_device(_index(batch.rows, logits.device), logits.device)] = mask
             mask = full
         self._kernel(logits, mask, vocab_size=min(logits.shape[1], mask.shape[1] * 32))
+
+    def _use_own(self, logits: torch.Tensor) -> bool:
+        """Whether engine/mask_kernel.py runs on this device and dtype: checked against the reference once."""
+        key = (logits.device, logits.dtype)
+        if key not in self._own:
+            why = mask_kernel.self_check(logits.device, logits.dtype, 4099) if mask_kernel.available() else \
+                "no triton"
+            self._own[key] = why is None
+            if why is None:
+                logger.info("grammar masks: kvserve's kernel on %s (%s)", logits.device, logits.dtype)
+            else:
+                logger.warning("grammar masks: kvserve's kernel not used on %s (%s): %s", logits.device,
+                               logits.dtype, why)
+        return self._own[key]
 
     def _to_device(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The host mask on `device`; on CUDA copied on the side stream, which the current stream waits for."""
