@@ -47,6 +47,7 @@ def apply_mask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor | No
     """logits [batch, vocab] in place; mask [m, words] int32 on the logits' device; rows: the m logits rows the
     mask rows belong to (int64 on the device), None for rows 0..m-1."""
     m, vocab = mask.shape[0], min(logits.shape[1], mask.shape[1] * 32)
+    assert logits.stride(1) == 1 and mask.stride(1) == 1, "rows must be contiguous"
     if m == 0:
         return
     grid = (m, triton.cdiv(vocab, BLOCK))
