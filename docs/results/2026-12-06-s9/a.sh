@@ -13,4 +13,5 @@ timeout 90 python3 benchmarks/mask_apply.py --out "$out/mask_apply.json" 2>&1 | 
 if [ -d .carry/extra/vllm ]; then
   mkdir -p .carry/vllm-extra && cp .carry/extra/vllm/*.whl .carry/vllm-extra/
 fi
-timeout 440 bash benchmarks/gpu_session.sh pair --deadline-s 420 --repeat 3
+PAIR_DEADLINE_S="${PAIR_DEADLINE_S:-420}" timeout $((${PAIR_DEADLINE_S:-420} + 20)) \
+  bash benchmarks/gpu_session.sh pair --repeat "${REPEAT:-3}"  # REPEAT, PAIR_DEADLINE_S: what s10/a.sh sets
