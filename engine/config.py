@@ -72,6 +72,9 @@ class EngineConfig:
     # How many grammar processes share the matchers (each consumes and fills its own rows, all at once). None:
     # one per 4 usable cores (usable_cores: affinity, cgroup quota), at most 4 (1 on small hosts).
     structured_outputs_processes: int | None = None
+    # xgrammar's batch-fill threads in each grammar process (or in the engine's process). None: half the usable
+    # cores shared among the grammar processes (2 each at 4 processes on 16 cores), half the host's in-process.
+    structured_outputs_fill_threads: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,6 +96,8 @@ class EngineConfig:
              "grammar_max_size and grammar_compile_fuel must be >= 1")
         need(self.structured_outputs_processes is None or self.structured_outputs_processes >= 1,
              "structured_outputs_processes must be >= 1")
+        need(self.structured_outputs_fill_threads is None or self.structured_outputs_fill_threads >= 1,
+             "structured_outputs_fill_threads must be >= 1")
         need(self.structured_outputs_backend in GRAMMAR_BACKENDS,
              f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}, got {self.structured_outputs_backend!r}")
         need(self.structured_outputs_backend != "xgrammar" or grammar_xgr.available(),

@@ -121,15 +121,17 @@ class GrammarLink:
     consume holds the GIL and its batch fill gained little past 8 threads in one process (sixth session)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits, backend: str,
-                 max_rows: int, processes: int = 1, spin_s: float | None = None) -> None:
+                 max_rows: int, processes: int = 1, spin_s: float | None = None,
+                 fill_threads: int | None = None) -> None:
         """spin_s: how long the engine thread polls for a step's answer before it blocks (None: SPIN_S on a host
-        of SPIN_MIN_CORES usable cores or more, else 0)."""
+        of SPIN_MIN_CORES usable cores or more, else 0). fill_threads: xgrammar's fill threads in each process
+        (None: half the usable cores shared among the processes; with one process, xgrammar's own default)."""
         from engine.grammar_xgr import available as xgrammar_available
 
         self.args = (hf_tokenizer, vocab_size, eos_ids, limits, backend)  # StructuredOutputs' (the fallback)
         self.use_xgrammar = backend == "xgrammar" or backend == "auto" and xgrammar_available()
         self.words, self.rows = (vocab_size + 31) // 32, max_rows
-        threads = None if processes == 1 else max(1, usable_cores() // (2 * processes))
+        threads = fill_threads_per_process(processes, fill_threads)
         self.spin_s = spin_s if spin_s is not None else SPIN_S if usable_cores() >= SPIN_MIN_CORES else 0.0
         self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows,
                                              threads))
@@ -289,6 +291,14 @@ class GrammarLink:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
         self._mask_file.close()
+
+
+def fill_threads_per_process(processes: int, asked: int | None = None) -> int | None:
+    """xgrammar's fill threads in each grammar process: `asked`, else half the usable cores shared among the
+    processes (at least 1), else with one process None (xgrammar's default: half the host's threads)."""
+    if asked is not None:
+        return asked
+    return None if processes == 1 else max(1, usable_cores() // (2 * processes))
 
 
 WORKER_TIMES = ("accept", "fill", "Step reaches it", "answer read after it was sent while waiting")

@@ -69,10 +69,13 @@ def structured_outputs(config: EngineConfig, tokenizer, vocab_size: int, eos_tok
     wanted = config.structured_outputs_process
     if wanted or wanted is None and device.type == "cuda":
         try:
-            return GrammarLink(*args, config.max_num_seqs, grammar_processes(config))
+            return GrammarLink(*args, config.max_num_seqs, grammar_processes(config),
+                               fill_threads=config.structured_outputs_fill_threads)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
             logger.warning("no grammar process (%s): grammar matchers run in the engine's process", exc)
-    return StructuredOutputs(*args)
+    structured = StructuredOutputs(*args)
+    structured.fill_threads = config.structured_outputs_fill_threads
+    return structured
 
 
 def grammar_processes(config: EngineConfig) -> int:

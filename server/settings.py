@@ -154,6 +154,8 @@ ENGINE_HELP = {
     "structured_outputs_processes": "structured outputs: how many grammar processes share the matchers, each "
                                     "consuming and filling its own rows at once (default: one per 4 host cores, "
                                     "at most 4)",
+    "structured_outputs_fill_threads": "structured outputs: xgrammar's mask-fill threads in each grammar process "
+                                       "(default: half the host's cores shared among the processes)",
 }
 
 SERVER_HELP = {

@@ -483,6 +483,30 @@ def test_how_many_grammar_processes(monkeypatch, cores, asked, want):
     assert setup.grammar_processes(EngineConfig(model="m", structured_outputs_processes=asked)) == want
 
 
+@pytest.mark.parametrize("cores,processes,asked,want", [(16, 4, None, 2), (16, 2, None, 4), (2, 4, None, 1),
+                                                         (16, 1, None, None), (16, 4, 6, 6)])
+def test_fill_threads_per_grammar_process(monkeypatch, cores, processes, asked, want):
+    """Half the usable cores shared among the grammar processes, unless --structured-outputs-fill-threads."""
+    from engine import grammar_link
+
+    monkeypatch.setattr(grammar_link, "usable_cores", lambda: cores)
+    assert grammar_link.fill_threads_per_process(processes, asked) == want
+
+
+def test_the_fill_threads_option_reaches_the_link_and_the_in_process_matchers(monkeypatch, local):
+    from engine import setup
+    from engine.config import EngineConfig
+
+    made = {}
+    monkeypatch.setattr(setup, "GrammarLink", lambda *args, **kw: made.update(kw) or "link")
+    e = local.engine
+    config = EngineConfig(model="m", structured_outputs_fill_threads=3, structured_outputs_process=True)
+    assert setup.structured_outputs(config, e.tokenizer, e.vocab_size, e.eos_token_ids, e.device) == "link"
+    assert made["fill_threads"] == 3
+    config = EngineConfig(model="m", structured_outputs_fill_threads=3, structured_outputs_process=False)
+    assert setup.structured_outputs(config, e.tokenizer, e.vocab_size, e.eos_token_ids, e.device).fill_threads == 3
+
+
 @pytest.mark.parametrize("cpu_max,want", [("max 100000\n", 6), ("200000 100000\n", 2), ("50000 100000\n", 1),
                                           (None, 6)])
 def test_usable_cores_follow_the_cgroup_quota(tmp_path, monkeypatch, cpu_max, want):
