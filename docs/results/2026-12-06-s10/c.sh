@@ -9,7 +9,7 @@ out="${OUT:-./gpu-out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
 pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
 run() {  # name, kvserve flags
-  timeout 160 python3 benchmarks/online_pair.py --no-vllm --repeat 4 --deadline-s 155 --kvserve-args "$2" \
+  timeout 160 python3 benchmarks/online_pair.py --no-vllm --repeat 4 --deadline-s 155 --kvserve-args="$2" \
     --out "$out/pair-$1.json" --raw-dir "$out/raw-$1" > "$out/pair-$1.log" 2>&1
   echo "== $1 ($2)"; grep "^| W-B json [0-9]*% | kvserve" "$out/pair-$1.log"
   python3 -c "
@@ -22,6 +22,9 @@ for load in sorted({r['load'] for r in runs}):
     print(load, [round(m['output_throughput']) for m in ms], 'TPOT', [round(m['median_tpot_ms'], 1) for m in ms], '| cores:', cores)
 " "$out/pair-$1.json"
 }
-run default ""
-run grammar2 "--structured-outputs-processes 2"
-run front6 "--api-server-count 6"
+# Servers as NAME=FLAGS arguments; none: the three this session ran. Next session's A/B, e.g.:
+#   bash docs/results/2026-12-06-s10/c.sh "default=" "fill4=--structured-outputs-fill-threads 4"
+[ $# -gt 0 ] || set -- "default=" "grammar2=--structured-outputs-processes 2" "front6=--api-server-count 6"
+for server in "$@"; do
+  run "${server%%=*}" "${server#*=}"
+done
