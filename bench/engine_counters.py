@@ -36,8 +36,8 @@ def between(before: dict[str, float], after: dict[str, float], duration_s: float
     d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in COUNTERS}
     steps = max(d["engine_steps"], 1)
     masked = d["structured_steps"]
+    wait_ms = d["structured_mask_wait_seconds"] * 1e3 / masked if masked else 0.0
     return {"steps": int(d["engine_steps"]), "tokens_per_step": round(d["generation_tokens"] / steps, 1),
             "busy_ms_per_step": round(d["engine_busy_seconds"] * 1e3 / steps, 3),
             "busy_share": round(d["engine_busy_seconds"] / duration_s, 3),
-            "masked_steps": int(masked),
-            "mask_wait_ms_per_masked_step": round(d["structured_mask_wait_seconds"] * 1e3 / masked, 3) if masked else 0.0}
+            "masked_steps": int(masked), "mask_wait_ms_per_masked_step": round(wait_ms, 3)}

@@ -103,8 +103,8 @@ class PendingMasks:
     masks). `sent`: (shard, worker, time.monotonic() of the send) for each that was sent one."""
     __slots__ = ("link", "sent", "rows", "grammars", "buffer", "seq", "batch")
 
-    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, GrammarProcess, float]], rows: list[int], grammars: list,
-                 buffer: int, seq: int) -> None:
+    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, GrammarProcess, float]], rows: list[int],
+                 grammars: list, buffer: int, seq: int) -> None:
         self.link, self.sent, self.rows, self.grammars, self.buffer = link, sent, rows, grammars, buffer
         self.seq = seq
         self.batch: MaskBatch | None = None
