@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.admission import GrammarAdmission
+from engine.completions import Completions
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path, tokenizer_path
 from engine.malloc import trim_free_memory
-from engine.request import (FINISHED, FinishReason, Request, RequestError, SamplingParams, StepOutput,
-                            TokenLogprob, completion_id)
+from engine.request import FINISHED, FinishReason, Request, RequestError, SamplingParams, StepOutput
 from engine.runner import (ModelRunner, PreparedStep, RunnerOutput, StepHandle, kv_bytes_per_block,
                            profile_step_peak_bytes)
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
@@ -38,30 +38,6 @@ class EngineStats:
     structured_steps: int = 0  # steps sampled under grammar masks
     structured_mask_wait_seconds: float = 0.0  # the engine thread's wait for those masks, summed
     busy_seconds: float = 0.0  # time spent in step(), summed
-
-
-@dataclass
-class _Completion:
-    """Engine-side state of one of a request's n completions."""
-    parent_id: str
-    index: int
-    detok: IncrementalDetokenizer | None  # None: no text wanted (detokenize=False or no tokenizer)
-    needs_history: bool
-    # prompt_logprobs: gathered chunk by chunk, sent with the first output token (None: not asked, or sent)
-    prompt_logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class _Child:
-    """A completion made but not yet queued: registered only once the scheduler accepted the request."""
-    request: Request
-    completion: _Completion
-
-
-def needs_history(params: SamplingParams) -> bool:
-    """Whether sampling this request's next token needs all its earlier tokens on the host."""
-    return bool(params.min_tokens or params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0)
 
 
 class LLMEngine:
@@ -93,8 +69,7 @@ class LLMEngine:
                                   self.max_num_batched_tokens, use_cuda_graphs=not config.enforce_eager)
         self.scheduler = Scheduler(self.num_kv_blocks, self.block_size, config.max_num_seqs,
                                    self.max_num_batched_tokens, self.max_model_len, config.enable_prefix_caching)
-        self._completions: dict[str, _Completion] = {}  # child request id -> its state
-        self._children: dict[str, list[str]] = {}  # caller's request id -> child ids
+        self.completions = Completions(self.tokenizer, self.eos_token_ids, config.enable_prefix_caching)
         self._pending: list[StepOutput] = []  # outputs made between steps (aborts), returned by the next step
         self._prompt_tokens = self._generation_tokens = self._idle_violations = self._steps = 0
         self._busy_s = 0.0  # time in step(): stats() -> the busy-seconds counter
@@ -105,7 +80,6 @@ class LLMEngine:
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet collected
         self._unsampled: tuple[SchedulerOutput, StepHandle] | None = None  # launched, waiting for its masks
         self.pipeline_masks = config.structured_outputs_pipeline  # _step_behind_masks (read every step)
-        self._num_history_requests = 0  # live completions whose sampling reads every earlier token
         self.structured = None if self.structured is None else structured_outputs_ready(self.structured)
         self.runner.use_structured(self.structured)
         self._grammars = GrammarAdmission(self.structured, self.scheduler)  # structured requests, compiling
@@ -138,51 +112,34 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (n completions), or raise RequestError with nothing queued."""
-        if request_id in self._children:
+        if request_id in self.completions.children:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
         if not prompt_token_ids:
             raise RequestError("prompt must not be empty", param="prompt")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
-        children = [self._make_child(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        children = [self.completions.make(request_id, i, prompt_token_ids, params) for i in range(params.n)]
         if params.structured is not None:
             self._grammars.add([c.request for c in children], params.structured)
         else:
             self.scheduler.add_request(children[0].request)  # raises before anything is queued
             for child in children[1:]:
                 self.scheduler.add_request(child.request)
-        for child in children:
-            self._completions[child.request.request_id] = child.completion
-            self._num_history_requests += child.completion.needs_history
-        self._children[request_id] = [c.request.request_id for c in children]
+        self.completions.register(request_id, children)
         self._prompt_tokens += len(prompt_token_ids)
-
-    def _make_child(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> _Child:
-        child_params = params.for_child(index) if params.n > 1 else params
-        child_id = completion_id(request_id, index, params.n)
-        # Siblings wait for completion 0's prompt so they share its blocks through the prefix cache.
-        wait = f"{request_id}#0" if index > 0 and self.config.enable_prefix_caching else None
-        req = Request(child_id, list(prompt), child_params, self.eos_token_ids, wait_for_prefill_of=wait)
-        detok = None
-        if self.tokenizer is not None and params.detokenize:
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, child_params)
-        comp = _Completion(request_id, index, detok, needs_history(child_params))
-        if params.prompt_logprobs is not None:
-            comp.prompt_logprobs = []
-        return _Child(req, comp)
 
     def abort_request(self, request_id: str) -> None:
         """Abort every completion of `request_id`, or the one completion whose id (completion_id) it is."""
-        child_ids = self._children.get(request_id) or ([request_id] if request_id in self._completions else [])
+        child_ids = self.completions.child_ids(request_id)
         self._grammars.drop(child_ids)
         for child_id in child_ids:
-            if child_id in self._completions:
+            if child_id in self.completions.by_id:
                 self.scheduler.finish_request(child_id, FinishReason.ABORT)
-                self._pending.append(self._final_output(child_id, FinishReason.ABORT))
+                self._pending.append(self.completions.final_output(child_id, FinishReason.ABORT))
 
     def has_unfinished_requests(self) -> bool:
-        return (bool(self._completions) or bool(self._pending) or self._inflight is not None
+        return (bool(self.completions) or bool(self._pending) or self._inflight is not None
                 or self._unsampled is not None)
 
     # ---- the step -------------------------------------------------------------------------------
@@ -201,12 +158,12 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if self._grammars:
             self._grammars.wait_if_idle(self._inflight is not None or self._unsampled is not None)
-            outputs += self._grammars.admit(self._fail_request)
+            outputs += self._grammars.admit(self.completions.failed)
         if self._unsampled is not None:
             if self._pipelined():
                 return self._idle_check(outputs + self._step_behind_masks())
             outputs += self._sample_unsampled()
-        if self._inflight is not None and self._num_history_requests:
+        if self._inflight is not None and self.completions.num_history:
             outputs += self._finish(self._inflight)
             self._inflight = None
         sched_out = self.scheduler.schedule()
@@ -228,7 +185,7 @@ class LLMEngine:
 
     def _pipelined(self) -> bool:
         """Whether a step may be launched before the previous one's tokens are read."""
-        return self.pipeline_masks and self.async_scheduling and not self._num_history_requests
+        return self.pipeline_masks and self.async_scheduling and not self.completions.num_history
 
     def _step_behind_masks(self) -> list[StepOutput]:
         """Step N+1 is launched and waits for its grammar masks. Schedule and prepare N+2 while they fill, sample
@@ -307,7 +264,7 @@ class LLMEngine:
             return None
 
     def _idle_check(self, outputs: list[StepOutput]) -> list[StepOutput]:
-        if self._inflight is None and self._unsampled is None and not self._completions:
+        if self._inflight is None and self._unsampled is None and not self.completions:
             self._check_idle()  # idle now: the step that ended the last request
         return outputs
 
@@ -326,9 +283,9 @@ class LLMEngine:
     def _postprocess(self, sched_out: SchedulerOutput, runner_out: RunnerOutput,
                      next_step: StepHandle | None = None) -> list[StepOutput]:
         outputs = []
-        completions, logprobs = self._completions, runner_out.logprobs  # bound once: ~256 requests a step
+        completions, logprobs = self.completions.by_id, runner_out.logprobs  # bound once: ~256 requests a step
         if runner_out.prompt_logprobs:
-            self._gather_prompt_logprobs(runner_out.prompt_logprobs)
+            self.completions.gather_prompt_logprobs(runner_out.prompt_logprobs)
         updated = self.scheduler.update(sched_out, runner_out.sampled)
         self._advance_grammars(updated)
         if next_step is not None:
@@ -349,19 +306,9 @@ class LLMEngine:
             if comp.prompt_logprobs is not None:
                 outputs[-1].prompt_logprobs, comp.prompt_logprobs = comp.prompt_logprobs, None
             if req.status is FINISHED:
-                self._forget(req.request_id)
+                self.completions.forget(req.request_id)
         self._generation_tokens += len(outputs)
         return outputs
-
-    def _gather_prompt_logprobs(self, chunks) -> None:
-        """Append each chunk's prompt logprobs to its completion's; positions already gathered (a preempted
-        request computes its prompt again) are skipped."""
-        for rid, chunk in chunks.items():
-            comp = self._completions.get(rid)
-            if comp is None or comp.prompt_logprobs is None:
-                continue
-            have = len(comp.prompt_logprobs) + 1  # the next prompt position wanted
-            comp.prompt_logprobs += chunk.logprobs[max(0, have - chunk.start):]
 
     def _advance_grammars(self, updated: list[Request]) -> None:
         """Every constrained request's matcher consumes its new token: in-process here in the engine thread
@@ -400,31 +347,13 @@ class LLMEngine:
         outputs = []
         for sr in sched_out.scheduled:
             rid = sr.request.request_id
-            if rid in self._completions:
+            if rid in self.completions.by_id:
                 self.scheduler.finish_request(rid, FinishReason.ERROR)
-                outputs.append(self._fail_request(rid, f"model step failed: {type(exc).__name__}"))
+                outputs.append(self.completions.failed(rid, f"model step failed: {type(exc).__name__}"))
         return outputs
 
-    def _fail_request(self, child_id: str, message: str) -> StepOutput:
-        """The completion's last output: finished with an error, `message`; the engine forgets it."""
-        out = self._final_output(child_id, FinishReason.ERROR)
-        out.error = message
-        return out
-
-    def _final_output(self, child_id: str, reason: FinishReason) -> StepOutput:
-        comp = self._forget(child_id)
-        return StepOutput(comp.parent_id, comp.index, [], "", None, reason)
-
-    def _forget(self, child_id: str) -> _Completion:
-        comp = self._completions.pop(child_id)
-        self._num_history_requests -= comp.needs_history
-        siblings = self._children.get(comp.parent_id, [])
-        if not any(s in self._completions for s in siblings):
-            self._children.pop(comp.parent_id, None)
-        return comp
-
     def _check_idle(self) -> None:
-        if self._completions or self._idle_checked:
+        if self.completions or self._idle_checked:
             return
         self._idle_checked = True
         if self.device.type == "cpu":  # the arena's free pages back to the system (engine/malloc.py)
