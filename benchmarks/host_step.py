@@ -17,8 +17,8 @@ virtual machine whose CPUs are shared: time stolen by the hypervisor is not coun
 untimed): the large-batch decode step alone, as on the GPU's busiest steps.
 The heap is frozen and young collections thinned after the warm-up, as in the server's engine core
 (engine/malloc.py). --sections adds one more run with timers around the host sections (the timers cost a
-little; they nest: launch holds prepare_inputs, stage, compute_logits and sample). Prints a table, writes
-JSON.
+little; they nest: prepare holds prepare_inputs and stage, enqueue holds compute_logits and sample). Prints a
+table, writes JSON.
 """
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
     """One run with a timer around each host section: ms per step by section."""
     engine, runner = llm.engine, llm.engine.runner
     totals: dict[str, float] = defaultdict(float)
-    targets = [(engine, "step"), (engine.scheduler, "schedule"), (runner, "launch"), (runner_mod, "prepare_inputs"),
-               (runner.decode_graphs, "stage"), (runner.builder, "build_host"), (runner.model, "compute_logits"),
+    targets = [(engine, "step"), (engine.scheduler, "schedule"), (runner, "prepare"), (runner, "enqueue"),
+               (runner_mod, "prepare_inputs"), (runner.decode_graphs, "stage"), (runner.builder, "build_host"), (runner.model, "compute_logits"),
                (runner.sampler, "sample_on_device"), (runner, "collect"), (engine, "_postprocess"),
                (engine.scheduler, "update")]
     originals = [(obj, name, getattr(obj, name)) for obj, name in targets]

@@ -62,7 +62,8 @@ def instrument(llm: LLM) -> Timers:
     engine = llm.engine
     timers.wrap(engine.structured, "fill", "fill")
     timers.wrap(engine.structured, "apply", "apply")
-    timers.wrap(engine.runner, "launch", "launch")
+    timers.wrap(engine.runner, "prepare", "launch")  # the engine calls the two halves of runner.launch
+    timers.wrap(engine.runner, "enqueue", "launch")
     step = engine.step
 
     def timed_step():

@@ -116,6 +116,8 @@ def _brief(m: dict) -> str:
         text += (f"; engine: {e['steps']} steps, {e['tokens_per_step']} tokens a step, busy {e['busy_ms_per_step']:.2f}"
                  f" ms a step ({e['busy_share']:.0%} of the load), mask wait {e['mask_wait_ms_per_masked_step']:.2f} ms"
                  f" a masked step")
+        if e.get("section_ms_per_step"):
+            text += "; ms a step by section: " + ", ".join(f"{k} {v:.2f}" for k, v in e["section_ms_per_step"].items())
     return text
 
 

@@ -75,6 +75,9 @@ class EngineConfig:
     # xgrammar's batch-fill threads in each grammar process (or in the engine's process). None: half the usable
     # cores shared among the grammar processes (2 each at 4 processes on 16 cores), half the host's in-process.
     structured_outputs_fill_threads: int | None = None
+    # How long the engine thread polls for a step's grammar masks before it blocks, in ms. None: 3 on hosts of 8
+    # usable cores or more, else 0 (engine/grammar_link.py SPIN_S).
+    structured_outputs_spin_ms: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +101,8 @@ class EngineConfig:
              "structured_outputs_processes must be >= 1")
         need(self.structured_outputs_fill_threads is None or self.structured_outputs_fill_threads >= 1,
              "structured_outputs_fill_threads must be >= 1")
+        need(self.structured_outputs_spin_ms is None or 0 <= self.structured_outputs_spin_ms <= 100,
+             "structured_outputs_spin_ms must be in [0, 100]")
         need(self.structured_outputs_backend in GRAMMAR_BACKENDS,
              f"structured_outputs_backend must be one of {GRAMMAR_BACKENDS}, got {self.structured_outputs_backend!r}")
         need(self.structured_outputs_backend != "xgrammar" or grammar_xgr.available(),

@@ -1,5 +1,6 @@
-"""LLMEngine: one step = schedule() -> runner.launch() -> collect() -> postprocess(). Single-threaded by design:
-the server drives it from the engine-core process (engine/core/), offline LLM.generate from the caller's thread."""
+"""LLMEngine: one step = schedule() -> runner.prepare() -> runner.enqueue() -> collect() -> postprocess().
+Single-threaded by design: the server drives it from the engine-core process (engine/core/), offline
+LLM.generate from the caller's thread."""
 from __future__ import annotations
 
 import logging
@@ -18,6 +19,7 @@ from engine.request import FINISHED, FinishReason, Request, RequestError, Sampli
 from engine.runner import (ModelRunner, PreparedStep, RunnerOutput, StepHandle, kv_bytes_per_block,
                            profile_step_peak_bytes)
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.step_clock import StepClock
 from engine.setup import (choose_backend, eos_ids, resolve_device, resolve_dtype,
                           resolve_max_num_batched_tokens, structured_outputs,
                           structured_outputs_ready)
@@ -38,6 +40,7 @@ class EngineStats:
     structured_steps: int = 0  # steps sampled under grammar masks
     structured_mask_wait_seconds: float = 0.0  # the engine thread's wait for those masks, summed
     busy_seconds: float = 0.0  # time spent in step(), summed
+    section_seconds: list[float] | None = None  # the same by section (engine/step_clock.py SECTIONS), summed
 
 
 class LLMEngine:
@@ -73,6 +76,7 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # outputs made between steps (aborts), returned by the next step
         self._prompt_tokens = self._generation_tokens = self._idle_violations = self._steps = 0
         self._busy_s = 0.0  # time in step(): stats() -> the busy-seconds counter
+        self.clock = StepClock()  # the same time by section of the step (engine/step_clock.py)
         self._idle_checked = True  # the invariant is checked once per busy -> idle transition
         # Overlap host work with the device's: only a GPU runs ahead of the host.
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
@@ -146,9 +150,11 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """One engine step (_step), its time counted into the busy seconds."""
         start = time.perf_counter()
+        self.clock.start()
         try:
             return self._step()
         finally:
+            self.clock.lap("outputs")
             self._busy_s += time.perf_counter() - start
 
     def _step(self) -> list[StepOutput]:
@@ -159,6 +165,7 @@ class LLMEngine:
         if self._grammars:
             self._grammars.wait_if_idle(self._inflight is not None or self._unsampled is not None)
             outputs += self._grammars.admit(self.completions.failed)
+        self.clock.lap("admit")
         if self._unsampled is not None:
             if self._pipelined():
                 return self._idle_check(outputs + self._step_behind_masks())
@@ -167,6 +174,7 @@ class LLMEngine:
             outputs += self._finish(self._inflight)
             self._inflight = None
         sched_out = self.scheduler.schedule()
+        self.clock.lap("schedule")
         launched = self._launch(sched_out, outputs)
         if self._inflight is not None:  # pipelined: N+1's masks start in the next call, after its admissions
             behind = launched[1] if launched is not None and not self._pipelined() else None
@@ -201,6 +209,7 @@ class LLMEngine:
         elif unsampled[1].masks is None:
             self.runner.start_masks(unsampled[1])
         sched_out = self.scheduler.schedule()
+        self.clock.lap("schedule")
         prepared = self._prepare(sched_out, outputs)
         self._unsampled = None
         sampled = self._sample(unsampled, outputs)
@@ -226,25 +235,30 @@ class LLMEngine:
 
     def _launch(self, sched_out: SchedulerOutput, outputs: list[StepOutput]
                 ) -> tuple[SchedulerOutput, StepHandle] | None:
-        """runner.launch (prepare and enqueue in one call: what the profiling scripts time as "launch")."""
-        if not self._count_step(sched_out):
-            return None
-        return self._guarded(sched_out, outputs, lambda: (sched_out, self.runner.launch(sched_out)))
+        """runner.prepare, then runner.enqueue."""
+        prepared = self._prepare(sched_out, outputs)
+        return None if prepared is None else self._enqueue(sched_out, prepared, outputs)
 
     def _prepare(self, sched_out: SchedulerOutput, outputs: list[StepOutput]) -> PreparedStep | None:
         if not self._count_step(sched_out):
             return None
-        return self._guarded(sched_out, outputs, lambda: self.runner.prepare(sched_out))
+        prepared = self._guarded(sched_out, outputs, lambda: self.runner.prepare(sched_out))
+        self.clock.lap("prepare")
+        return prepared
 
     def _enqueue(self, sched_out: SchedulerOutput, prepared: PreparedStep, outputs: list[StepOutput]
                  ) -> tuple[SchedulerOutput, StepHandle] | None:
-        return self._guarded(sched_out, outputs, lambda: (sched_out, self.runner.enqueue(prepared)))
+        launched = self._guarded(sched_out, outputs, lambda: (sched_out, self.runner.enqueue(prepared)))
+        self.clock.lap("enqueue")
+        return launched
 
     def _sample(self, launched: tuple[SchedulerOutput, StepHandle], outputs: list[StepOutput]
                 ) -> tuple[SchedulerOutput, StepHandle] | None:
         """Sample a step whose rows waited for grammar masks."""
         sched_out, handle = launched
-        return self._guarded(sched_out, outputs, lambda: self.runner.sample(handle) or launched, "sampling")
+        sampled = self._guarded(sched_out, outputs, lambda: self.runner.sample(handle) or launched, "sampling")
+        self.clock.lap("sample")
+        return sampled
 
     def _count_step(self, sched_out: SchedulerOutput) -> bool:
         """Whether there is a step to run; one that runs is counted and makes the engine busy."""
@@ -278,6 +292,8 @@ class LLMEngine:
         except Exception as exc:
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
             return self._fail_step(sched_out, exc)
+        finally:
+            self.clock.lap("collect")
         return self._postprocess(sched_out, runner_out, next_step)
 
     def _postprocess(self, sched_out: SchedulerOutput, runner_out: RunnerOutput,
@@ -292,6 +308,7 @@ class LLMEngine:
             # The next step's masks fill in the mask thread while this step detokenizes (and, pipelined, while
             # the step after is scheduled and staged): 256 rows, ~1.3 ms on an H100 host's 16 cores.
             self.runner.start_masks(next_step)
+        self.clock.lap("update")
         for req in updated:
             comp = completions[req.request_id]
             token = req.output_token_ids[-1]
@@ -308,6 +325,7 @@ class LLMEngine:
             if req.status is FINISHED:
                 self.completions.forget(req.request_id)
         self._generation_tokens += len(outputs)
+        self.clock.lap("outputs")
         return outputs
 
     def _advance_grammars(self, updated: list[Request]) -> None:
@@ -366,4 +384,5 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.stats(), self._prompt_tokens, self._generation_tokens,
                            self._idle_violations, self._steps, getattr(self.structured, "restarts", 0),
-                           self.runner.masked_steps, self.runner.mask_wait_s, self._busy_s)
+                           self.runner.masked_steps, self.runner.mask_wait_s, self._busy_s,
+                           self.clock.totals())

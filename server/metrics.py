@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.step_clock import SECTIONS
 from server.metrics_vllm import VllmEngineCollector, VllmRequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +63,17 @@ class _EngineStatsCollector:
                 for index, stats in engines:
                     per_core.add_metric((str(index),), getattr(stats, attr))
                 yield per_core
+        yield _sections(engines)
+
+
+def _sections(engines: list) -> CounterMetricFamily:
+    """The engine thread's seconds by section of its steps (engine/step_clock.py), summed over the cores."""
+    family = CounterMetricFamily("kvserve_engine_section_seconds", "time the engine thread spent in each section "
+                                 "of its steps, and in the core loop between them (all engine cores)",
+                                 labels=("section",))
+    for i, section in enumerate(SECTIONS):
+        family.add_metric((section,), sum(s.section_seconds[i] for _, s in engines if len(s.section_seconds) > i))
+    return family
 
 
 class ServerMetrics:

@@ -47,7 +47,7 @@ def test_abort_emits_abort_and_frees_blocks(llm):
 
 def test_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatch):
     engine = llm.engine
-    real = engine.runner.launch
+    real = engine.runner.enqueue
     calls = {"n": 0}
 
     def flaky(out):
@@ -56,7 +56,7 @@ def test_failed_step_fails_its_requests_and_the_engine_goes_on(llm, monkeypatch)
             raise RuntimeError("injected")
         return real(out)
 
-    monkeypatch.setattr(engine.runner, "launch", flaky)
+    monkeypatch.setattr(engine.runner, "enqueue", flaky)
     engine.add_request("f", [7, 8, 9], SamplingParams(max_tokens=4))
     outs = _drain(engine)
     assert [(o.finish_reason, o.error is not None) for o in outs] == [(FinishReason.ERROR, True)]

@@ -315,6 +315,10 @@ def test_server_survives_its_grammar_process_killed(tiny_model_dir):
         assert metrics["kvserve_grammar_process_restarts_total"] == 1
         steps, waited = metrics["kvserve_structured_steps_total"], metrics["kvserve_structured_mask_wait_seconds_total"]
         assert steps >= 20 and 0 < waited < metrics["kvserve_engine_busy_seconds_total"]  # 3 constrained requests
+        sections = {k.split('"')[1]: v for k, v in metrics.items() if k.startswith("kvserve_engine_section_seconds")}
+        in_steps = sum(v for k, v in sections.items() if k != "core loop")  # the laps cover each step whole
+        assert in_steps == pytest.approx(metrics["kvserve_engine_busy_seconds_total"], rel=0.02, abs=0.005)
+        assert sections["sample"] >= waited and sections["collect"] > 0 and sections["core loop"] > 0
         children = psutil.Process(proc.pid).children(recursive=True)
         assert stop_process(proc)[0] == 0
         assert not [p for p in psutil.wait_procs(children, timeout=10)[1]]
@@ -502,7 +506,10 @@ def test_the_fill_threads_option_reaches_the_link_and_the_in_process_matchers(mo
     e = local.engine
     config = EngineConfig(model="m", structured_outputs_fill_threads=3, structured_outputs_process=True)
     assert setup.structured_outputs(config, e.tokenizer, e.vocab_size, e.eos_token_ids, e.device) == "link"
-    assert made["fill_threads"] == 3
+    assert made["fill_threads"] == 3 and made["spin_s"] is None  # None: the link's own default
+    config = EngineConfig(model="m", structured_outputs_spin_ms=0.5, structured_outputs_process=True)
+    setup.structured_outputs(config, e.tokenizer, e.vocab_size, e.eos_token_ids, e.device)
+    assert made["spin_s"] == 0.0005
     config = EngineConfig(model="m", structured_outputs_fill_threads=3, structured_outputs_process=False)
     assert setup.structured_outputs(config, e.tokenizer, e.vocab_size, e.eos_token_ids, e.device).fill_threads == 3
 

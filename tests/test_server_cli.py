@@ -50,6 +50,7 @@ def test_config_path_from_env_and_nullable_values(tmp_path):
     ("loop: trio\n", "loop must be one of"),
     ("structured_outputs_processes: 0\n", "structured_outputs_processes must be >= 1"),
     ("structured_outputs_fill_threads: 0\n", "structured_outputs_fill_threads must be >= 1"),
+    ("structured_outputs_spin_ms: -1\n", r"structured_outputs_spin_ms must be in \[0, 100\]"),
     ("- a\n- b\n", "mapping"),
 ])
 def test_bad_config_files_are_refused(tmp_path, text, message):

@@ -58,7 +58,7 @@ def core_stats(engine) -> CoreStats:
                      q.prefix_cache_queries, q.prefix_cache_hits, q.num_preemptions, s.prompt_tokens_total,
                      s.generation_tokens_total, s.idle_invariant_violations, s.num_steps,
                      q.num_running + q.num_waiting, s.grammar_process_restarts, s.structured_steps,
-                     s.structured_mask_wait_seconds, s.busy_seconds)
+                     s.structured_mask_wait_seconds, s.busy_seconds, s.section_seconds or [])
 
 
 def to_delta(out: StepOutput) -> TokenDelta:
@@ -82,6 +82,7 @@ class EngineCore:
         self.stopping = False
         self.failures = 0
         self.busy = False
+        self.step_end = 0.0  # perf_counter() after the last step's outputs were routed
         self.handlers = {AddRequest: self._add, AbortRequests: self._abort, Shutdown: self._shutdown_requested}
 
     # ---- the loop -----------------------------------------------------------------------------------
@@ -167,6 +168,8 @@ class EngineCore:
 
     # ---- steps --------------------------------------------------------------------------------------
     def _step(self) -> tuple[float, float]:
+        if self.busy:  # the loop's work since the last step (requests in, outputs out): the clock's "core loop"
+            self.engine.clock.add("core loop", time.perf_counter() - self.step_end)
         self.busy = True
         start = time.monotonic()
         try:
@@ -180,6 +183,7 @@ class EngineCore:
             return start, time.monotonic()
         self.failures = 0
         self._route(outputs)
+        self.step_end = time.perf_counter()
         return start, time.monotonic()
 
     def _route(self, outputs: list[StepOutput]) -> None:
