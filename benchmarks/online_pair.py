@@ -116,8 +116,10 @@ def _brief(m: dict) -> str:
         text += (f"; engine: {e['steps']} steps, {e['tokens_per_step']} tokens a step, busy {e['busy_ms_per_step']:.2f}"
                  f" ms a step ({e['busy_share']:.0%} of the load), mask wait {e['mask_wait_ms_per_masked_step']:.2f} ms"
                  f" a masked step")
-        if e.get("section_ms_per_step"):
-            text += "; ms a step by section: " + ", ".join(f"{k} {v:.2f}" for k, v in e["section_ms_per_step"].items())
+        for key, what in (("section_ms_per_step", "host ms a step by section"),
+                          ("device_ms_per_step", "device ms a step")):
+            if e.get(key):
+                text += f"; {what}: " + ", ".join(f"{k} {v:.2f}" for k, v in e[key].items())
     return text
 
 

@@ -41,6 +41,7 @@ class EngineStats:
     structured_mask_wait_seconds: float = 0.0  # the engine thread's wait for those masks, summed
     busy_seconds: float = 0.0  # time spent in step(), summed
     section_seconds: list[float] | None = None  # the same by section (engine/step_clock.py SECTIONS), summed
+    device_seconds: list[float] | None = None  # the device's time by part (engine/device_clock.py PARTS), on CUDA
 
 
 class LLMEngine:
@@ -76,7 +77,7 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # outputs made between steps (aborts), returned by the next step
         self._prompt_tokens = self._generation_tokens = self._idle_violations = self._steps = 0
         self._busy_s = 0.0  # time in step(): stats() -> the busy-seconds counter
-        self.clock = StepClock()  # the same time by section of the step (engine/step_clock.py)
+        self.clock = self.runner.clock = StepClock()  # the same time by section of the step (engine/step_clock.py)
         self._idle_checked = True  # the invariant is checked once per busy -> idle transition
         # Overlap host work with the device's: only a GPU runs ahead of the host.
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
@@ -248,17 +249,13 @@ class LLMEngine:
 
     def _enqueue(self, sched_out: SchedulerOutput, prepared: PreparedStep, outputs: list[StepOutput]
                  ) -> tuple[SchedulerOutput, StepHandle] | None:
-        launched = self._guarded(sched_out, outputs, lambda: (sched_out, self.runner.enqueue(prepared)))
-        self.clock.lap("enqueue")
-        return launched
+        return self._guarded(sched_out, outputs, lambda: (sched_out, self.runner.enqueue(prepared)))
 
     def _sample(self, launched: tuple[SchedulerOutput, StepHandle], outputs: list[StepOutput]
                 ) -> tuple[SchedulerOutput, StepHandle] | None:
         """Sample a step whose rows waited for grammar masks."""
         sched_out, handle = launched
-        sampled = self._guarded(sched_out, outputs, lambda: self.runner.sample(handle) or launched, "sampling")
-        self.clock.lap("sample")
-        return sampled
+        return self._guarded(sched_out, outputs, lambda: self.runner.sample(handle) or launched, "sampling")
 
     def _count_step(self, sched_out: SchedulerOutput) -> bool:
         """Whether there is a step to run; one that runs is counted and makes the engine busy."""
@@ -385,4 +382,4 @@ class LLMEngine:
         return EngineStats(self.scheduler.stats(), self._prompt_tokens, self._generation_tokens,
                            self._idle_violations, self._steps, getattr(self.structured, "restarts", 0),
                            self.runner.masked_steps, self.runner.mask_wait_s, self._busy_s,
-                           self.clock.totals())
+                           self.clock.totals(), self.runner.device_clock.totals())

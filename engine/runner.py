@@ -11,11 +11,13 @@ import torch
 from attention.base import PAD_SLOT_ID, GraphSupport
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
+from engine.device_clock import DeviceClock
 from engine.malloc import trim_free_memory
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
 from engine.structured import MaskBatch
 from engine.scheduler import SchedulerOutput
+from engine.step_clock import StepClock
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class StepHandle:
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # already on the host
     logits: torch.Tensor | None = None  # [n, vocab] until sampled (a step with grammar rows: engine calls sample)
     masks: Future | None = None  # its grammar masks, filling (start_masks), when started before sample()
+    marks: list | None = None  # its device events (engine/device_clock.py DeviceClock.launched), on CUDA
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -208,6 +211,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.structured = None  # engine.structured.StructuredOutputs, set by the engine when it has a tokenizer
         self.masked_steps, self.mask_wait_s = 0, 0.0  # steps sampled under grammar masks; their wait for them
+        self.clock = StepClock()  # the host's sections (the engine gives its own), and the device's parts:
+        self.device_clock = DeviceClock(device.type == "cuda")
         self.decode_graphs: CudaGraphSteps | None = None
         self.mixed_graphs: CudaGraphSteps | None = None
         self._last = StepHandle([], [], None, None, None, None)  # the step launched most recently
@@ -317,11 +322,13 @@ class ModelRunner:
             self.sampler.free(rid)
         inputs = step.inputs
         ids = [r.request_id for r in inputs.sample_requests]
+        start = self.device_clock.mark()
         if step.graphs is not None:
             prev = self._last.tokens if inputs.pending else None
             hidden = step.graphs.replay(step.size, len(inputs.input_ids), prev)  # [num_tokens, hidden]
         else:
             hidden = self._run_eager(inputs)
+        self.clock.lap("forward")
         handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
         if inputs.prompt_rows:
             handle.prompt_logprobs = prompt_logprobs(self.model, hidden, inputs.prompt_rows)
@@ -329,8 +336,12 @@ class ModelRunner:
             if len(ids) < hidden.shape[0]:  # rows that do not sample: prefill tokens, chunks that end no prompt
                 hidden = hidden[self._to_device(inputs.sample_indices)]
             handle.logits = self.model.compute_logits(hidden)  # [n, vocab]
-            if not self.needs_masks(inputs.sample_requests):
-                self.sample(handle)
+        handle.marks = [start, self.device_clock.mark(), None, None]
+        self.clock.lap("logits")
+        if not ids:
+            self.device_clock.launched(handle.marks)
+        elif not self.needs_masks(inputs.sample_requests):
+            self.sample(handle)
         self._last = handle
         return handle
 
@@ -348,21 +359,27 @@ class ModelRunner:
     def sample(self, handle: StepHandle) -> None:
         """Sample a launched step's logits (grammar masks first: started by start_masks, or filled now), leaving
         the tokens on the device."""
-        logits, handle.logits = handle.logits, None
+        logits, handle.logits, masks = handle.logits, None, None
         if self.structured is not None:
             started, handle.masks = handle.masks, None
             waited = time.perf_counter()
             masks = started.result() if started is not None else self.structured.fill(handle.requests)
+            self.clock.lap("mask wait")
             if masks is not None:
                 self.masked_steps += 1
                 self.mask_wait_s += time.perf_counter() - waited
-                self.structured.apply(logits, masks)
+        sample_start = self.device_clock.mark()
+        if masks is not None:
+            self.structured.apply(logits, masks)
         handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
         if self.device.type == "cuda":
             handle.host_tokens = torch.empty(len(handle.request_ids), dtype=torch.long, pin_memory=True)
             handle.host_tokens.copy_(handle.tokens, non_blocking=True)
-            handle.done = torch.cuda.Event()
-            handle.done.record()
+            handle.done = self.device_clock.mark()
+            if handle.marks is not None:
+                handle.marks[2:] = sample_start, handle.done
+                self.device_clock.launched(handle.marks)
+        self.clock.lap("sample")
 
     def _graphs_for(self, inputs: StepInputs) -> CudaGraphSteps | None:
         num_tokens, num_prev = len(inputs.input_ids), len(self._last.request_ids)
@@ -405,10 +422,12 @@ class ModelRunner:
             return RunnerOutput({}, {}, prompt_lps)
         if handle.token_lp is None and handle.done is not None:
             handle.done.synchronize()
+            self.device_clock.settle()
             token_ids = handle.host_tokens.tolist()
             return RunnerOutput(dict(zip(handle.request_ids, token_ids)), {}, prompt_lps)
         with torch.inference_mode():
             sampled = self.sampler.to_host(handle.tokens, handle.token_lp,
                                            [r.sampling_params for r in handle.requests])
+        self.device_clock.settle()
         logprobs = {rid: lp for rid, lp in zip(handle.request_ids, sampled.logprobs) if lp is not None}
         return RunnerOutput(dict(zip(handle.request_ids, sampled.token_ids)), logprobs, prompt_lps)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from time import perf_counter
 
-# In a step's order. "sample": a constrained step's sampling, its wait for the grammar masks included (that
-# wait alone is the structured_mask_wait_seconds counter); "collect": waiting for the device's tokens and
-# reading them; "update": the scheduler's bookkeeping of them, the matchers' tokens, the next masks started;
-# "outputs": detokenizing and building the step's outputs.
-SECTIONS = ("admit", "schedule", "prepare", "enqueue", "sample", "collect", "update", "outputs", "core loop")
+# In a step's order. "prepare": inputs and their staging; "forward": queueing the forward (the CUDA graph's
+# uploads and replay; an eager forward runs here); "logits": queueing the logits; "mask wait": waiting for a
+# constrained step's grammar masks (the structured_mask_wait_seconds counter); "sample": queueing the masks'
+# application and the sampling; "collect": waiting for the device's tokens and reading them; "update": the
+# scheduler's bookkeeping of them, the matchers' tokens, the next masks started; "outputs": detokenizing and
+# building the step's outputs. The runner laps its own sections on the engine's clock.
+SECTIONS = ("admit", "schedule", "prepare", "forward", "logits", "mask wait", "sample", "collect", "update",
+            "outputs", "core loop")
 
 
 class StepClock:

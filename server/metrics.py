@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.device_clock import PARTS
 from engine.step_clock import SECTIONS
 from server.metrics_vllm import VllmEngineCollector, VllmRequestMetrics
 
@@ -63,16 +64,20 @@ class _EngineStatsCollector:
                 for index, stats in engines:
                     per_core.add_metric((str(index),), getattr(stats, attr))
                 yield per_core
-        yield _sections(engines)
+        yield _by_label(engines, "section_seconds", SECTIONS, "kvserve_engine_section_seconds", "section",
+                        "time the engine thread spent in each section of its steps, and in the core loop between "
+                        "them (engine/step_clock.py; all engine cores)")
+        yield _by_label(engines, "device_seconds", PARTS, "kvserve_engine_device_seconds", "part",
+                        "the device's time on the engine's steps by part, idle gaps included (engine/device_clock.py; "
+                        "CUDA only; all engine cores)")
 
 
-def _sections(engines: list) -> CounterMetricFamily:
-    """The engine thread's seconds by section of its steps (engine/step_clock.py), summed over the cores."""
-    family = CounterMetricFamily("kvserve_engine_section_seconds", "time the engine thread spent in each section "
-                                 "of its steps, and in the core loop between them (all engine cores)",
-                                 labels=("section",))
-    for i, section in enumerate(SECTIONS):
-        family.add_metric((section,), sum(s.section_seconds[i] for _, s in engines if len(s.section_seconds) > i))
+def _by_label(engines: list, attr: str, names: tuple[str, ...], family_name: str, label: str,
+              doc: str) -> CounterMetricFamily:
+    """A CoreStats list field (`names` in order) as one counter per name, summed over the cores."""
+    family = CounterMetricFamily(family_name, doc, labels=(label,))
+    for i, name in enumerate(names):
+        family.add_metric((name,), sum(getattr(s, attr)[i] for _, s in engines if len(getattr(s, attr)) > i))
     return family
 
 

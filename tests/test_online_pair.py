@@ -145,7 +145,7 @@ def _check_system(record: dict, system: str, raw: Path) -> None:
         sections = engine["W-B json 100%"]["section_ms_per_step"]  # the laps of each step add up to its busy time
         in_steps = sum(v for k, v in sections.items() if k != "core loop")
         assert in_steps == pytest.approx(engine["W-B json 100%"]["busy_ms_per_step"], rel=0.05, abs=0.01)
-        assert sections["sample"] >= engine["W-B json 100%"]["mask_wait_ms_per_masked_step"] * (
+        assert sections["mask wait"] >= engine["W-B json 100%"]["mask_wait_ms_per_masked_step"] * (
             engine["W-B json 100%"]["masked_steps"] / engine["W-B json 100%"]["steps"]) > 0
 
 
