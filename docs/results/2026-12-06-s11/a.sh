@@ -18,6 +18,8 @@ for load in sorted({r['load'] for r in runs}):
     secs = {k: st.median(e.get('section_ms_per_step', {}).get(k, 0) for e in es) for k in es[0].get('section_ms_per_step', {})}
     print(f"{load}: steps {med('steps')}, tokens/step {med('tokens_per_step')}, busy {med('busy_ms_per_step'):.2f} ms/step,"
           f" share {med('busy_share')}, mask wait {med('mask_wait_ms_per_masked_step'):.2f} ms/masked step ({med('masked_steps')})")
-    print("   ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in secs.items()))
+    print("   host ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in secs.items()))
+    dev = {k: st.median(e.get('device_ms_per_step', {}).get(k, 0) for e in es) for k in es[0].get('device_ms_per_step', {})}
+    print("   device ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in dev.items()))
 PY
 done
