@@ -5,7 +5,8 @@ Each launched step records an event before its forward, after its logits, before
 (`marks`, in stream order). Once they have happened the gaps between them say what the device did:
 
 - "launch gap": idle after the previous step's last event until this forward began (the host was late to
-  queue it: with async scheduling, near 0 when the device is the bottleneck);
+  queue it: with async scheduling, near 0 when the device is the bottleneck); not counted after the engine
+  went idle;
 - "forward": the forward and the logits;
 - "masks gap": idle after the logits until the sampling began: a constrained step waits there for its grammar
   masks (0 for unconstrained steps, whose sampling is queued with the forward);
@@ -57,6 +58,12 @@ class DeviceClock:
                 return
             self._steps.popleft()
             self._count(start, forward_end, sample_start, end)
+
+    def idle(self) -> None:
+        """The engine has nothing left to run: the next step's launch gap is not counted (the device waited for
+        requests, not for the host)."""
+        self.settle()
+        self._last_end = None
 
     def _count(self, start, forward_end, sample_start, end) -> None:
         seconds = self.seconds

@@ -371,6 +371,7 @@ class LLMEngine:
         if self.completions or self._idle_checked:
             return
         self._idle_checked = True
+        self.runner.device_clock.idle()
         if self.device.type == "cpu":  # the arena's free pages back to the system (engine/malloc.py)
             trim_free_memory()
         leaked = self.scheduler.check_idle_invariant()

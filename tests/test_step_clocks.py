@@ -56,6 +56,10 @@ def test_device_parts_add_up_to_the_wall_time_and_wait_for_pending_events():
     clock.settle()
     assert clock.seconds["launch gap"] == pytest.approx(0.0005) and sum(clock.totals()) == pytest.approx(0.0184)
     assert list(clock.seconds) == list(PARTS)
+    clock.idle()  # then a step 1 s later: the device waited for requests, not for the host
+    clock.launched([E(1018.4), E(1020.0), E(1020.0), E(1020.5)])
+    clock.settle()
+    assert clock.seconds["launch gap"] == pytest.approx(0.0005) and sum(clock.totals()) == pytest.approx(0.0205)
 
 
 def test_off_cuda_the_device_clock_records_nothing():
