@@ -198,10 +198,11 @@ class LLMEngine:
 
     def _step_behind_masks(self) -> list[StepOutput]:
         """Step N+1 is launched and waits for its grammar masks. Schedule and prepare N+2 while they fill, sample
-        N+1, read its tokens, and start N+2's masks (the matchers consume the tokens first) before N+2's forward
-        is queued: queueing a forward took the host 0.9-1.3 ms on an H100 host, and with it ahead of the masks
-        the sampling waited 0.5-0.6 ms a step for them, the device idle ~1 ms a step (W-B json 100% through the
-        server, docs/benchmarks.md, eleventh session). The scheduler's bookkeeping and the outputs come last."""
+        N+1 and queue N+2 right behind it, then read N+1's tokens (the device has N+2 to run meanwhile): the
+        matchers consume them and N+2's masks start filling before this call returns, so they fill while the
+        caller sends the outputs and N+1's tokens go out one call sooner. Through the server the caller's loop
+        took only 0.10-0.15 ms a step, and W-B at json 100% stayed at 0.70x of json 0% (0.69x before); the
+        grammar processes' own time was what the sampling waited for (docs/benchmarks.md, eighth session)."""
         outputs, unsampled = [], self._unsampled
         if self._inflight is not None:  # the step before the first constrained one
             outputs += self._finish(self._inflight, unsampled[1])
@@ -213,15 +214,10 @@ class LLMEngine:
         prepared = self._prepare(sched_out, outputs)
         self._unsampled = None
         sampled = self._sample(unsampled, outputs)
-        runner_out = None if sampled is None else self._collect(sampled, outputs)
-        refused = None if runner_out is None else self._advance_before_update(sampled[0], runner_out.sampled)
-        if refused is not None and prepared is not None:
-            self._guarded(sched_out, outputs, lambda: self.runner.start_fill(prepared))
-        self.clock.lap("update")
         launched = None if prepared is None else self._enqueue(sched_out, prepared, outputs)
         constrained = launched is not None and launched[1].logits is not None
-        if runner_out is not None:
-            outputs += self._postprocess(sampled[0], runner_out, refused=refused)
+        if sampled is not None:
+            outputs += self._finish(sampled, launched[1] if constrained else None)
         if constrained:
             self._unsampled = launched
         else:  # unconstrained: it sampled already, and is read at the next call
@@ -287,36 +283,24 @@ class LLMEngine:
                 ) -> list[StepOutput]:
         """Read a launched step's tokens and turn them into outputs. next_step: the step launched after it,
         whose grammar masks start filling as soon as every matcher has consumed these tokens."""
-        outputs: list[StepOutput] = []
-        runner_out = self._collect(inflight, outputs)
-        return outputs if runner_out is None else self._postprocess(inflight[0], runner_out, next_step)
-
-    def _collect(self, inflight: tuple[SchedulerOutput, StepHandle], outputs: list[StepOutput]
-                 ) -> RunnerOutput | None:
-        """The step's tokens on the host, or None: the step failed, its requests' outputs joined `outputs`."""
         sched_out, handle = inflight
         try:
-            return self.runner.collect(handle)
+            runner_out = self.runner.collect(handle)
         except Exception as exc:
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
-            outputs += self._fail_step(sched_out, exc)
-            return None
+            return self._fail_step(sched_out, exc)
         finally:
             self.clock.lap("collect")
+        return self._postprocess(sched_out, runner_out, next_step)
 
     def _postprocess(self, sched_out: SchedulerOutput, runner_out: RunnerOutput,
-                     next_step: StepHandle | None = None, refused: list[Request] | None = None) -> list[StepOutput]:
-        """The scheduler's bookkeeping of the step's tokens, then its outputs. refused: the matchers consumed the
-        tokens already (_advance_before_update), these requests' grammars refusing theirs."""
+                     next_step: StepHandle | None = None) -> list[StepOutput]:
         outputs = []
         completions, logprobs = self.completions.by_id, runner_out.logprobs  # bound once: ~256 requests a step
         if runner_out.prompt_logprobs:
             self.completions.gather_prompt_logprobs(runner_out.prompt_logprobs)
         updated = self.scheduler.update(sched_out, runner_out.sampled)
-        if refused is None:
-            self._advance_grammars(updated)
-        for req in refused or ():
-            self._grammar_refused(req)
+        self._advance_grammars(updated)
         if next_step is not None:
             # The next step's masks fill in the mask thread while this step detokenizes (and, pipelined, while
             # the step after is scheduled and staged): 256 rows, ~1.3 ms on an H100 host's 16 cores.
@@ -349,39 +333,16 @@ class LLMEngine:
             if req.grammar is not None:
                 self._advance_grammar(req, req.output_token_ids[-1])
 
-    def _advance_before_update(self, sched_out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """The matchers consume the step's tokens before the scheduler appends them: those update() will append
-        (a live request whose step sampled). Returns the requests whose grammar refused its token
-        (_grammar_refused, once update() has said whether they finish anyway)."""
-        refused, live = [], self.scheduler.requests
-        for sr in sched_out.scheduled:
-            req = sr.request
-            if req.grammar is None or not sr.samples or live.get(req.request_id) is not req:
-                continue
-            token = sampled.get(req.request_id)
-            if token is not None and not self._grammar_takes(req, token):
-                refused.append(req)
-        return refused
-
     def _advance_grammar(self, req: Request, token: int) -> None:
-        if not self._grammar_takes(req, token):
-            self._grammar_refused(req)
-
-    @staticmethod
-    def _grammar_takes(req: Request, token: int) -> bool:
-        """The matcher consumes the token; False if it refuses it (the mask was bypassed). EOS is allowed only
-        where the grammar ends: with ignore_eos the request goes on, unconstrained from there."""
+        """The matcher consumes the token; one it refuses (the mask was bypassed) ends the request. EOS is
+        allowed only where the grammar ends: with ignore_eos the request goes on, unconstrained from there."""
         if token in req.eos_token_ids and req.sampling_params.ignore_eos:
             req.grammar = None
-            return True
-        return req.grammar.accept(token)
-
-    def _grammar_refused(self, req: Request) -> None:
-        """The token the request's grammar refused (its last) ends it with an error, unless it finishes anyway."""
-        if req.is_finished:
+            return
+        if req.grammar.accept(token) or req.is_finished:
             return
         why = req.grammar.error()
-        logger.warning("request %s: token %d breaks its grammar (%s)", req.request_id, req.output_token_ids[-1], why)
+        logger.warning("request %s: token %d breaks its grammar (%s)", req.request_id, token, why)
         req.error = f"the output cannot follow the request's constraint: {why}"[:300]
         req.error_code = "invalid_grammar"  # the grammar's fault (e.g. too complex to parse), not the server's
         self.scheduler.finish_request(req.request_id, FinishReason.ERROR)

@@ -64,7 +64,6 @@ class PreparedStep:
     inputs: StepInputs
     graphs: CudaGraphSteps | None  # the CUDA-graph steps that run it (its inputs staged), or None: eager
     size: int  # the graph's padded token count
-    masks: Future | None = None  # its grammar masks, filling (start_fill), when started before enqueue()
 
 
 @dataclass
@@ -330,7 +329,7 @@ class ModelRunner:
         else:
             hidden = self._run_eager(inputs)
         self.clock.lap("forward")
-        handle = StepHandle(ids, inputs.sample_requests, None, None, None, None, masks=step.masks)
+        handle = StepHandle(ids, inputs.sample_requests, None, None, None, None)
         if inputs.prompt_rows:
             handle.prompt_logprobs = prompt_logprobs(self.model, hidden, inputs.prompt_rows)
         if ids:
@@ -355,12 +354,6 @@ class ModelRunner:
         """Start filling a launched step's grammar masks (its rows' matchers are up to date) for sample()."""
         if handle.logits is not None and self.structured is not None:
             handle.masks = self.structured.start_fill(handle.requests)
-
-    def start_fill(self, step: PreparedStep) -> None:
-        """Start filling a prepared step's grammar masks (its rows' matchers are up to date), before its forward
-        is queued; enqueue() hands them to its sample()."""
-        if self.structured is not None and self.needs_masks(step.inputs.sample_requests):
-            step.masks = self.structured.start_fill(step.inputs.sample_requests)
 
     @torch.inference_mode()
     def sample(self, handle: StepHandle) -> None:
