@@ -1,6 +1,7 @@
 """ModelRunner: owns the KV pool, turns a SchedulerOutput into model inputs, runs the model, samples."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from concurrent.futures import Future
@@ -79,6 +80,7 @@ class StepHandle:
     logits: torch.Tensor | None = None  # [n, vocab] until sampled (a step with grammar rows: engine calls sample)
     masks: Future | None = None  # its grammar masks, filling (start_masks), when started before sample()
     marks: list | None = None  # its device events (engine/device_clock.py DeviceClock.launched), on CUDA
+    presampled: torch.Tensor | None = None  # Sampler.presample's scores, when its rows allow it
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -260,10 +262,10 @@ class ModelRunner:
         if structured is None or self.device.type != "cuda":
             return
         words = (self.vocab_size + 31) // 32
-        try:
-            for rows in (1, 2, 16):  # 2 of the 16 constrained: the path for a batch only partly constrained
-                logits = torch.zeros(rows, self.vocab_size, dtype=self.dtype, device=self.device)
-                constrained = list(range(rows if rows < 16 else 2))
+        try:  # the model's dtype (logits) and float32 (Sampler.presample's scores)
+            for dtype, rows in itertools.product((self.dtype, torch.float32), (1, 2, 16)):
+                logits = torch.zeros(rows, self.vocab_size, dtype=dtype, device=self.device)
+                constrained = list(range(rows if rows < 16 else 2))  # 2 of 16: a batch partly constrained
                 mask = torch.full((len(constrained), words), -1, dtype=torch.int32).pin_memory()
                 structured.apply(logits, MaskBatch(constrained, mask))
             torch.cuda.synchronize()
@@ -342,6 +344,9 @@ class ModelRunner:
             self.device_clock.launched(handle.marks)
         elif not self.needs_masks(inputs.sample_requests):
             self.sample(handle)
+        else:  # its sampling up to the masks, queued now: the device runs it while they fill
+            handle.presampled = self.sampler.presample(handle.logits, handle.requests)
+            self.clock.lap("sample")
         self._last = handle
         return handle
 
@@ -369,9 +374,15 @@ class ModelRunner:
                 self.masked_steps += 1
                 self.mask_wait_s += time.perf_counter() - waited
         sample_start = self.device_clock.mark()
-        if masks is not None:
-            self.structured.apply(logits, masks)
-        handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
+        scores, handle.presampled = handle.presampled, None
+        if scores is not None:  # the masks on the scores, then their argmax: the rest was queued before
+            if masks is not None:
+                self.structured.apply(scores, masks)
+            handle.tokens, handle.token_lp = scores.argmax(dim=-1), None
+        else:
+            if masks is not None:
+                self.structured.apply(logits, masks)
+            handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
         if self.device.type == "cuda":
             handle.host_tokens = torch.empty(len(handle.request_ids), dtype=torch.long, pin_memory=True)
             handle.host_tokens.copy_(handle.tokens, non_blocking=True)

@@ -221,3 +221,38 @@ def test_logprobs_are_log_softmax_before_temperature_with_top_k_best_first():
     assert c.top == [] and c.token_id == out.token_ids[2] == logits[2].argmax().item()
     assert c.logprob == pytest.approx(ref[2].max().item(), abs=1e-6)
     assert math.isclose(sum(math.exp(v) for v in ref[0].tolist()), 1.0, rel_tol=1e-5)
+
+
+# ----------------------------------------------------------------------------- before the grammar masks
+def _masked(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    return logits.masked_fill(banned, float("-inf"))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_presampled_scores_under_the_masks_pick_the_tokens_of_sampling_the_masked_logits(seed):
+    """Sampler.presample runs before a constrained step's masks are filled; masking its scores then taking the
+    argmax must give the very tokens (same draws, same order) that masking the logits and sampling them gives:
+    greedy, unseeded and seeded rows, every row or only some constrained."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 300, generator=gen).to(torch.bfloat16)
+    banned = torch.rand(6, 300, generator=gen) < 0.9
+    banned[1] = False  # an unconstrained row in the batch
+    kinds = [GREEDY, dict(temperature=0.7), dict(temperature=1.0, seed=7), GREEDY, dict(temperature=1.3),
+             dict(temperature=0.5, seed=11)]
+    requests = [req(f"r{i}", **k) for i, k in enumerate(kinds)]
+    torch.manual_seed(seed)
+    expected = Sampler().sample_on_device(_masked(logits, banned), requests)[0]
+    torch.manual_seed(seed)
+    scores = Sampler().presample(logits, requests)
+    assert scores.dtype == torch.float32
+    assert torch.equal(_masked(scores, banned).argmax(dim=-1), expected)
+    assert not banned[torch.arange(6), expected].any()  # and no banned token won
+
+
+@pytest.mark.parametrize("params", [dict(logprobs=2), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1),
+                                    dict(logit_bias={3: 1.0}), dict(min_tokens=2), dict(repetition_penalty=1.2)])
+def test_rows_that_need_the_masked_logits_are_not_presampled(params):
+    """Truncation and logprobs are computed from the masked distribution; processing from the request's history,
+    which the step ahead does not have yet: such a batch is sampled after its masks, as before."""
+    requests = [req("a", **GREEDY), req("b", temperature=1.0, **params)]
+    assert Sampler().presample(torch.randn(2, 50), requests) is None
