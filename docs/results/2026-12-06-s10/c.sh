@@ -9,7 +9,7 @@ out="${OUT:-./gpu-out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
 pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
 run() {  # name, kvserve flags
-  timeout 160 python3 benchmarks/online_pair.py --no-vllm --repeat 4 --deadline-s 155 --kvserve-args="$2" \
+  timeout $(( ${DEADLINE_S:-155} + 5 )) python3 benchmarks/online_pair.py --no-vllm --repeat 4 --deadline-s "${DEADLINE_S:-155}" --kvserve-args="$2" \
     --out "$out/pair-$1.json" --raw-dir "$out/raw-$1" > "$out/pair-$1.log" 2>&1
   echo "== $1 ($2)"; grep "^| W-B json [0-9]*% | kvserve" "$out/pair-$1.log"
   python3 -c "

@@ -7,6 +7,7 @@
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
 here=$(pwd)
+export DEADLINE_S="${DEADLINE_S:-145}"  # each server's share of the call
 OUT="$out" bash docs/results/2026-12-06-s11/a.sh "new=" 2>&1 | grep -v "^| W-B"
 cp -r .carry .ab-base/ 2>/dev/null
 (cd .ab-base && OUT="$out" PYTHONPATH=".:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages" bash "$here/docs/results/2026-12-06-s11/a.sh" "base=" 2>&1 | grep -v "^| W-B")
