@@ -363,7 +363,7 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, handle: StepHandle) -> None:
         """Sample a launched step's logits (grammar masks first: started by start_masks, or filled now), leaving
-        the tokens on the device."""
+        the tokens on the device; a presampled step only masks its scores and takes their argmax."""
         logits, handle.logits, masks = handle.logits, None, None
         if self.structured is not None:
             started, handle.masks = handle.masks, None
