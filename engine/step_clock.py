@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from time import perf_counter
 
-# In a step's order. "prepare": inputs and their staging; "forward": queueing the forward (the CUDA graph's
+# In a step's order. "admit": requests whose grammar compiled join the scheduler (with nothing else to run, the
+# wait for a compile is counted here); "prepare": inputs and their staging; "forward": queueing the forward (the CUDA graph's
 # uploads and replay; an eager forward runs here); "logits": queueing the logits; "mask wait": waiting for a
 # constrained step's grammar masks (the structured_mask_wait_seconds counter); "sample": queueing the masks'
 # application and the sampling; "collect": waiting for the device's tokens and reading them; "update": the
