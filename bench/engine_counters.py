@@ -42,12 +42,15 @@ def between(before: dict[str, float], after: dict[str, float], duration_s: float
     steps = max(d["engine_steps"], 1)
     masked = d["structured_steps"]
     wait_ms = d["structured_mask_wait_seconds"] * 1e3 / masked if masked else 0.0
-    def per_step(label: str) -> dict[str, float]:
-        return {name[len(label) + 1:]: round((after[name] - before.get(name, 0.0)) * 1e3 / steps, 3)
-                for name in after if name.startswith(label + ":")}
-
     return {"steps": int(d["engine_steps"]), "tokens_per_step": round(d["generation_tokens"] / steps, 1),
             "busy_ms_per_step": round(d["engine_busy_seconds"] * 1e3 / steps, 3),
             "busy_share": round(d["engine_busy_seconds"] / duration_s, 3),
             "masked_steps": int(masked), "mask_wait_ms_per_masked_step": round(wait_ms, 3),
-            "section_ms_per_step": per_step("section"), "device_ms_per_step": per_step("part")}
+            "section_ms_per_step": _per_step(before, after, "section", steps),
+            "device_ms_per_step": _per_step(before, after, "part", steps)}
+
+
+def _per_step(before: dict[str, float], after: dict[str, float], label: str, steps: float) -> dict[str, float]:
+    """A labeled family's milliseconds a step over the load, by label value."""
+    return {name[len(label) + 1:]: round((after[name] - before.get(name, 0.0)) * 1e3 / steps, 3)
+            for name in after if name.startswith(label + ":")}

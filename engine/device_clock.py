@@ -22,16 +22,16 @@ from collections import deque
 
 import torch
 
-PARTS = ("launch gap", "forward", "masks gap", "sample")
+from engine.step_clock import DEVICE_PARTS
 
 
 class DeviceClock:
-    """Seconds per PARTS, summed over the steps whose events have happened. Off (every call a no-op) without
+    """Seconds per DEVICE_PARTS, summed over the steps whose events have happened. Off (every call a no-op) without
     CUDA."""
 
     def __init__(self, on_cuda: bool) -> None:
         self.on_cuda = on_cuda
-        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.seconds = dict.fromkeys(DEVICE_PARTS, 0.0)
         self._steps: deque[list] = deque()  # marks of steps launched, not yet counted, in launch order
         self._last_end: torch.cuda.Event | None = None
 

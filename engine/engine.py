@@ -41,7 +41,7 @@ class EngineStats:
     structured_mask_wait_seconds: float = 0.0  # the engine thread's wait for those masks, summed
     busy_seconds: float = 0.0  # time spent in step(), summed
     section_seconds: list[float] | None = None  # the same by section (engine/step_clock.py SECTIONS), summed
-    device_seconds: list[float] | None = None  # the device's time by part (engine/device_clock.py PARTS), on CUDA
+    device_seconds: list[float] | None = None  # the device's time by part (step_clock.DEVICE_PARTS), on CUDA
 
 
 class LLMEngine:

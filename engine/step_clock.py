@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from time import perf_counter
 
-# In a step's order. "admit": requests whose grammar compiled join the scheduler (with nothing else to run, the
-# wait for a compile is counted here); "prepare": inputs and their staging; "forward": queueing the forward (the CUDA graph's
-# uploads and replay; an eager forward runs here); "logits": queueing the logits; "mask wait": waiting for a
-# constrained step's grammar masks (the structured_mask_wait_seconds counter); "sample": queueing the masks'
-# application and the sampling; "collect": waiting for the device's tokens and reading them; "update": the
-# scheduler's bookkeeping of them, the matchers' tokens, the next masks started; "outputs": detokenizing and
-# building the step's outputs. The runner laps its own sections on the engine's clock.
+# In a step's order. "admit": requests whose grammar compiled join the scheduler (with nothing else to run,
+# the wait for a compile is counted here); "prepare": inputs and their staging; "forward": queueing the forward
+# (the CUDA graph's uploads and replay; an eager forward runs here); "logits": queueing the logits; "mask wait":
+# waiting for a constrained step's grammar masks (the structured_mask_wait_seconds counter); "sample": queueing
+# the masks' application and the sampling; "collect": waiting for the device's tokens and reading them;
+# "update": the scheduler's bookkeeping of them, the matchers' tokens, the next masks started; "outputs":
+# detokenizing and building the step's outputs. The runner laps its own sections on the engine's clock.
 SECTIONS = ("admit", "schedule", "prepare", "forward", "logits", "mask wait", "sample", "collect", "update",
             "outputs", "core loop")
+# The device's parts of a step (engine/device_clock.py), named here, without torch, for the front ends' /metrics.
+DEVICE_PARTS = ("launch gap", "forward", "masks gap", "sample")
 
 
 class StepClock:

@@ -12,8 +12,7 @@ from typing import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.device_clock import PARTS
-from engine.step_clock import SECTIONS
+from engine.step_clock import DEVICE_PARTS, SECTIONS
 from server.metrics_vllm import VllmEngineCollector, VllmRequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -67,7 +66,7 @@ class _EngineStatsCollector:
         yield _by_label(engines, "section_seconds", SECTIONS, "kvserve_engine_section_seconds", "section",
                         "time the engine thread spent in each section of its steps, and in the core loop between "
                         "them (engine/step_clock.py; all engine cores)")
-        yield _by_label(engines, "device_seconds", PARTS, "kvserve_engine_device_seconds", "part",
+        yield _by_label(engines, "device_seconds", DEVICE_PARTS, "kvserve_engine_device_seconds", "part",
                         "the device's time on the engine's steps by part, idle gaps included (engine/device_clock.py; "
                         "CUDA only; all engine cores)")
 

@@ -19,7 +19,8 @@ FORBIDDEN = {"attention": {"engine", "server", "bench"}, "engine": {"server", "b
 # ... and which it must not import when it is imported (a function body may: `kvserve bench` loads it lazily).
 FORBIDDEN_AT_IMPORT = {"server": {"bench"}}
 TORCH_FREE = ("engine/request.py", "engine/block_pool.py", "engine/kv_manager.py", "engine/scheduler.py",
-              "engine/config.py", "engine/admission.py")
+              "engine/config.py", "engine/admission.py", "engine/step_clock.py",
+              "server/metrics.py")  # the last two: the front ends' /metrics (a front end loads no torch)
 
 
 def module_name(path: Path) -> str:

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from engine.device_clock import PARTS, DeviceClock
+from engine.device_clock import DeviceClock
+from engine.step_clock import DEVICE_PARTS as PARTS
 from engine.step_clock import SECTIONS, StepClock
 
 

@@ -83,7 +83,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     structured_mask_wait_seconds: float = 0.0  # the engine thread's wait for their masks, summed
     busy_seconds: float = 0.0  # the engine's time in its steps, summed
     section_seconds: list[float] = msgspec.field(default_factory=list)  # the same by section (step_clock.SECTIONS)
-    device_seconds: list[float] = msgspec.field(default_factory=list)  # the device's, by part (device_clock.PARTS)
+    device_seconds: list[float] = msgspec.field(default_factory=list)  # the device's, by part (step_clock.DEVICE_PARTS)
 
     def as_dead(self) -> CoreStats:
         """A dead core's stats: it holds nothing, so the gauges read 0; the cumulative counters keep their last
