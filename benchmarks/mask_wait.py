@@ -5,8 +5,8 @@ parallel executor) and the mask's application to the logits.
     python benchmarks/mask_wait.py --batch 1 8 32 --max-tokens 24 --runs 3 --out mask_wait.json
 
 The engine samples a step with constrained rows only after the previous step's tokens are read and consumed
-by the matchers; the fill then runs while the device computes the forward that launch() queued. On the CPU
-launch() computes the forward before it returns (there is no device queue), so here nothing overlaps the fill:
+by the matchers; the fill then runs while the device computes the forward that enqueue() queued. On the CPU
+enqueue() computes the forward before it returns (there is no device queue), so here nothing overlaps the fill:
 the constrained step's extra time is the fill plus the masking, and this measures how large that is next to
 the forward. The model is the embedded SmolLM2-135M-Instruct (real weights, 49152-token vocabulary) unless
 --model names another; every request generates --max-tokens tokens (the grammar, a long integer array, cannot
@@ -62,7 +62,7 @@ def instrument(llm: LLM) -> Timers:
     engine = llm.engine
     timers.wrap(engine.structured, "fill", "fill")
     timers.wrap(engine.structured, "apply", "apply")
-    timers.wrap(engine.runner, "prepare", "launch")  # the engine calls the two halves of runner.launch
+    timers.wrap(engine.runner, "prepare", "launch")  # a step's two halves
     timers.wrap(engine.runner, "enqueue", "launch")
     step = engine.step
 

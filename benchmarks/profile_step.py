@@ -91,7 +91,7 @@ def time_steps(engine, steps: int) -> dict:
 
     timer = PartTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(engine.runner, "prepare", "launch")  # the engine calls the two halves of runner.launch
+    timer.wrap(engine.runner, "prepare", "launch")  # a step's two halves
     timer.wrap(engine.runner, "enqueue", "launch")
     timer.wrap(runner_module, "prepare_inputs", "inputs")
     timer.wrap(engine.runner.builder, "build_host", "metadata")

@@ -301,14 +301,9 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def launch(self, out: SchedulerOutput) -> StepHandle:
-        """Queue the step's work on the device and return at once; inputs that the previous step sampled
-        are read from its device tensor, so the host never waits for them."""
-        return self.enqueue(self.prepare(out))
-
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
-        """The host half of launch(): the step's inputs, staged for its CUDA graph when one runs it. The device
-        is not touched, so the engine prepares step N+2 while step N+1 waits for its grammar masks."""
+        """A step's host half: its inputs, staged for its CUDA graph when one runs it (enqueue queues it). The
+        device is not touched, so the engine prepares step N+2 while step N+1 waits for its grammar masks."""
         self._check_warm()
         inputs = prepare_inputs(out)
         graphs = self._graphs_for(inputs)
@@ -318,7 +313,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def enqueue(self, step: PreparedStep) -> StepHandle:
-        """The device half of launch(): forward, logits, and sampling unless a row waits for grammar masks.
+        """A prepared step's device half, queued and returned at once: forward, logits, and sampling unless a row
+        waits for grammar masks (inputs the previous step sampled are read from its device tensor).
         The previous step must be sampled by now: this step's pending inputs are its tokens."""
         for rid in step.finished_ids:  # after the previous step's sampling: a seeded row's generator
             self.sampler.free(rid)
