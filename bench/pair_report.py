@@ -35,6 +35,7 @@ class PairLoad:
     workers: int = 1
     repeats: int = 1
     prompt_vocab: int = 150_000  # prompt ids from [0, prompt_vocab): below Qwen2.5's EOS (151,643)
+    temperature: float = 0.0  # sent with every request: W-B is greedy (bench/workloads.py, vLLM's vllm_bench.py)
 
 
 @dataclass

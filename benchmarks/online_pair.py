@@ -15,7 +15,7 @@ vLLM (its api_server through .carry/peers/vllm_serve.sh, xgrammar its default gr
 server with the same limits (--max-model-len 40960 --max-num-batched-tokens 16384 --max-num-seqs 256, each
 its own prefix-cache default), run the loads, stop it:
   - an unrecorded warm-up load (64 requests, half of them constrained: grammars compiled and cached);
-  - W-B json 0% / 20% / 100%: 256 prompts of 512 random ids -> 128 tokens, ignore_eos, streaming, all at
+  - W-B json 0% / 20% / 100%: 256 prompts of 512 random ids -> 128 greedy tokens, ignore_eos, streaming, all at
     once from 4 client processes, --structured-fraction 0 / 0.2 / 1.0 (bench/structured_mix.py's schema as
     `structured_outputs`), alternated, --repeat times. With ignore_eos a constrained request writes its JSON
     first; at the document's end its grammar allows only EOS, which does not stop it, and the rest of its
@@ -36,6 +36,7 @@ results and both servers' logs go to --raw-dir.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import subprocess
@@ -47,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from bench import server_procs  # noqa: E402
+from bench import py_spy, server_procs  # noqa: E402
 from bench.proc_cpu import cores_between, cpu_by_role  # noqa: E402
 from bench.models import build_random_model, parse_model_config  # noqa: E402
 from bench.pair_report import PairLoad, PairRun, summarize, targets, ttft_table, wb_table  # noqa: E402
@@ -60,9 +61,9 @@ SMOKE_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "h
                 "bos_token_id": 0, "eos_token_id": 1}
 
 
-def gpu_loads(repeats: int, workers: int) -> tuple[PairLoad, list[PairLoad]]:
-    wb = [PairLoad(f"W-B json {round(100 * f)}%", "wb", 256, 512, 128, f, None, workers, repeats)
-          for f in (0.0, 0.2, 1.0)]
+def gpu_loads(repeats: int, workers: int, temperature: float = 0.0) -> tuple[PairLoad, list[PairLoad]]:
+    wb = [PairLoad(f"W-B json {round(100 * f)}%", "wb", 256, 512, 128, f, None, workers, repeats,
+                   temperature=temperature) for f in (0.0, 0.2, 1.0)]
     ttft = [PairLoad(f"TTFT {n // 1024}k", "ttft", 5, n, 8, 0.0, 1, 1, 1) for n in (8192, 32768)]
     return PairLoad("warm-up", "wb", 64, 512, 128, 0.5, None, workers, 1), wb + ttft
 
@@ -84,7 +85,8 @@ def bench_serve(url: str, load: PairLoad, seed: int, form: str, out: Path, timeo
            "--random-vocab-size", str(load.prompt_vocab), "--num-workers", str(load.workers), "--seed", str(seed),
            "--request-timeout", str(max(10.0, timeout_s - 10)), "--percentiles", "50,90,99", "--disable-tqdm",
            "--structured-fraction", str(load.structured_fraction),
-           "--structured-form", form, "--num-warmups", "0" if load.kind == "ttft" else "1"]
+           "--structured-form", form, "--num-warmups", "0" if load.kind == "ttft" else "1",
+           "--extra-body", json.dumps({"temperature": load.temperature})]
     if load.max_concurrency:
         cmd += ["--max-concurrency", str(load.max_concurrency)]
     return summarize(server_procs.run_bench_serve(cmd, out, timeout_s), load, seed)
@@ -142,7 +144,8 @@ def measure_system(system: str, server: server_procs.ServerProc, warm: PairLoad,
         else:
             tag = f"{system}-{load.name}-{rep}".replace(" ", "_").replace("%", "pct")
             try:
-                run.metrics = timed_load(server, load, run.seed, form, raw / f"{tag}.json", timeout)
+                with _profiled(system, server, raw / "py-spy" / f"{tag}.txt", args.py_spy and load is not warm):
+                    run.metrics = timed_load(server, load, run.seed, form, raw / f"{tag}.json", timeout)
             except Exception as e:  # noqa: BLE001 -- recorded: one bad run must not cost the other system's phase
                 run.error = f"{type(e).__name__}: {e}"[:2000]
                 hung = isinstance(e, subprocess.TimeoutExpired) or "timed out" in str(e)
@@ -150,6 +153,24 @@ def measure_system(system: str, server: server_procs.ServerProc, warm: PairLoad,
         if load is not warm:
             runs.append(run)
     return runs
+
+
+def _profiled(system: str, server: server_procs.ServerProc, path: Path, wanted: bool):
+    """kvserve's engine core sampled by py-spy over the block (--py-spy), else nothing."""
+    if not wanted or system != "kvserve":
+        return contextlib.nullcontext()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return py_spy.Recorder(py_spy.engine_core_pid(server.pid), path)
+
+
+def print_profiles(raw: Path, loads: list[PairLoad]) -> None:
+    """Each W-B load's engine-thread profile, merged over its repetitions (--py-spy)."""
+    for load in loads:
+        tag = f"kvserve-{load.name}-".replace(" ", "_").replace("%", "pct")
+        prof = py_spy.summarize(sorted((raw / "py-spy").glob(f"{tag}*.txt")))
+        if prof is not None:
+            print("\n".join([f"\n### py-spy, kvserve's engine thread, {load.name}", ""] + py_spy.table(prof)),
+                  flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- phases
@@ -183,6 +204,12 @@ def server_phase(name: str, start, warm, loads, form: str, raw: Path, clock: ser
 
 
 
+def _init_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def run_phases(args, warm, loads, model_dir: Path, raw: Path, clock: server_procs.Clock, record: dict, save) -> tuple[list, list]:
     limits = SMOKE_LIMITS if args.smoke else SERVER_LIMITS
     phases = []
@@ -212,12 +239,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=500.0,
                    help="the whole run; phases that no longer fit are skipped")
     p.add_argument("--repeat", type=int, default=2, help="repetitions of each W-B load (alternated)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="W-B's sampling temperature (its definition: 0, greedy; earlier sessions sent none: 1)")
     p.add_argument("--client-workers", type=int, default=4, help="bench serve processes for W-B's loads")
     p.add_argument("--kvserve", action=argparse.BooleanOptionalAction, default=True, help="measure kvserve's server")
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None, help="default: on, off with --smoke")
     p.add_argument("--vllm-serve-script", default=".carry/peers/vllm_serve.sh")
     p.add_argument("--vllm-args", default="", help="more vLLM server flags, one string")
     p.add_argument("--kvserve-args", default="", help="more `kvserve serve` flags, one string")
+    p.add_argument("--py-spy", action="store_true",
+                   help="sample kvserve's engine core with py-spy over each load (raw stacks under RAW_DIR/py-spy)")
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--run-timeout-s", type=float, default=90.0, help="one bench serve run")
     p.add_argument("--min-phase-s", type=float, default=90.0, help="a server phase starts only with this much left")
@@ -233,7 +264,7 @@ def main(argv=None) -> int:
     raw = Path(args.raw_dir or out.with_name(out.stem + "_raw"))
     raw.mkdir(parents=True, exist_ok=True)
     clock.log(f"online pair: $ {' '.join([sys.executable, *sys.argv])}  (deadline {args.deadline_s:.0f} s)")
-    warm, loads = smoke_loads() if args.smoke else gpu_loads(args.repeat, args.client_workers)
+    warm, loads = smoke_loads() if args.smoke else gpu_loads(args.repeat, args.client_workers, args.temperature)
     record = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": sys.argv, "smoke": args.smoke,
               "warm_up": asdict(warm), "loads": [asdict(ld) for ld in loads], "phases": {},
               "server_limits": SMOKE_LIMITS if args.smoke else SERVER_LIMITS}
@@ -246,11 +277,13 @@ def main(argv=None) -> int:
     try:
         config = SMOKE_CONFIG if args.smoke else parse_model_config("qwen2.5-0.5b-40k")
         clock.log(f"building a random-weight {config['architectures'][0]} with a byte-level BPE in {tmp}")
-        model_dir = build_random_model(config, tmp, tokenizer="bpe")
+        model_dir = build_random_model(config, tmp, tokenizer="bpe", init_device=_init_device())
         clock.log("model built")
         runs, systems = run_phases(args, warm, loads, model_dir, raw, clock, record, save)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if args.py_spy:
+        print_profiles(raw, loads)
     figures: dict = {}
     text = "\n".join(wb_table(runs, systems, loads, figures) + [""] + ttft_table(runs, systems, loads, figures))
     checks = [] if args.smoke else targets(figures, systems, loads)

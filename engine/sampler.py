@@ -86,9 +86,10 @@ class Sampler:
         return logits.sub_(q.log_())
 
     def presample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor | None:
-        """A constrained step's sampling up to the grammar masks, queued before they are filled: float32 scores
-        [n, vocab] whose argmax under the masks is each row's token (greedy rows their logits, random rows the
-        race's logits / T - log q, drawn as _choose would). A mask only sets -inf, which every operation here
+        """A constrained step's sampling up to the grammar masks, queued before they are filled: scores [n, vocab]
+        whose argmax under the masks is each row's token (greedy rows their logits, random rows the race's
+        logits / T - log q, drawn as _choose would): float32, or for an all-greedy batch the logits themselves
+        (no copy: the masks then go on half the bytes). A mask only sets -inf, which every operation here
         keeps, so masking the scores picks the token masking the logits would. None where a row needs the
         masked logits themselves: logprobs, top-k, top-p, min-p, logit_bias, min_tokens, penalties.
         Through the server at W-B json 100% the sampling queued after the masks kept the device waiting for the
@@ -98,6 +99,8 @@ class Sampler:
                 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]):
             return None
         random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
+        if not random_rows:  # the logits themselves: the argmax over the model dtype is _choose's
+            return logits
         if len(random_rows) == len(params):
             return self._race(logits, requests)
         scores = logits.float()

@@ -249,6 +249,19 @@ def test_presampled_scores_under_the_masks_pick_the_tokens_of_sampling_the_maske
     assert not banned[torch.arange(6), expected].any()  # and no banned token won
 
 
+def test_an_all_greedy_batch_is_presampled_as_its_own_logits():
+    """All rows greedy: the masks go on the logits in the model dtype (no float32 copy), and their argmax is the
+    token of masking the logits and sampling them."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 300, generator=gen).to(torch.bfloat16)
+    banned = torch.rand(4, 300, generator=gen) < 0.9
+    requests = [req(f"g{i}", **GREEDY) for i in range(4)]
+    expected = Sampler().sample_on_device(_masked(logits, banned), requests)[0]
+    scores = Sampler().presample(logits, requests)
+    assert scores is logits
+    assert torch.equal(_masked(scores, banned).argmax(dim=-1), expected)
+
+
 @pytest.mark.parametrize("params", [dict(logprobs=2), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1),
                                     dict(logit_bias={3: 1.0}), dict(min_tokens=2), dict(repetition_penalty=1.2)])
 def test_rows_that_need_the_masked_logits_are_not_presampled(params):
