@@ -8,7 +8,8 @@ out="${OUT:-./gpu-out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
 lscpu | grep -E "^CPU\(s\)|Model name|Thread" | tee -a "$out/gpu.txt"
 pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
-export PATH="/tmp/site/bin:$PATH"
+pip install --target /tmp/pyspy --no-deps -q .carry/extra/py_spy-*.whl 2>&1 | grep -v WARNING | tail -2  # its own bin/
+export PATH="/tmp/pyspy/bin:$PATH"
 py-spy --version
 name="${NAME:-new}"
 timeout $(( ${DEADLINE_S:-300} + 10 )) python3 benchmarks/online_pair.py --no-vllm --repeat "${REPEAT:-6}" --py-spy \
