@@ -26,7 +26,6 @@ import itertools
 import logging
 import os
 import pickle
-import select
 import tempfile
 import threading
 import time
@@ -102,14 +101,13 @@ class RemoteGrammar:
 class PendingMasks:
     """Steps sent to the shards' workers; result() waits for every Filled (once: a second call returns the same
     masks). `sent`: (shard, worker, time.monotonic() of the send) for each that was sent one."""
-    __slots__ = ("link", "sent", "rows", "grammars", "buffer", "seq", "batch", "spans")
+    __slots__ = ("link", "sent", "rows", "grammars", "buffer", "seq", "batch")
 
     def __init__(self, link: GrammarLink, sent: list[tuple[Shard, GrammarProcess, float]], rows: list[int],
                  grammars: list, buffer: int, seq: int) -> None:
         self.link, self.sent, self.rows, self.grammars, self.buffer = link, sent, rows, grammars, buffer
         self.seq = seq
         self.batch: MaskBatch | None = None
-        self.spans = _spans(grammars)  # shard index -> its rows [start, stop) of the mask (they are contiguous)
 
     def result(self) -> MaskBatch:
         if self.batch is None:
@@ -124,7 +122,7 @@ class GrammarLink:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits, backend: str,
                  max_rows: int, processes: int = 1, spin_s: float | None = None,
-                 fill_threads: int | None = None, device: torch.device | None = None) -> None:
+                 fill_threads: int | None = None) -> None:
         """spin_s: how long the engine thread polls for a step's answer before it blocks (None: SPIN_S on a host
         of SPIN_MIN_CORES usable cores or more, else 0). fill_threads: xgrammar's fill threads in each process
         (None: half the usable cores shared among the processes; with one process, xgrammar's own default)."""
@@ -142,7 +140,6 @@ class GrammarLink:
         os.ftruncate(self._mask_file.fileno(), nbytes)
         self.masks = mask_buffers(self._mask_file.fileno(), max_rows, self.words)
         self._pinned = _pin(self.masks)
-        self._copy_to = device if device is not None and device.type == "cuda" and self._pinned else None
         self._masking = Masking()
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[StructuredOutput], compiled in the workers
         self._keys, self._gids, self._seqs = itertools.count(), itertools.count(), itertools.count()
@@ -207,11 +204,13 @@ class GrammarLink:
         self._check_workers()
         if self._outstanding is not None:  # its step failed before sampling: read its answer, use nothing
             self._outstanding.result()
-        constrained = [(r.grammar.shard.index, i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
-        if not constrained:
+        rows, grammars = [], []
+        for i, r in enumerate(requests):
+            if r.grammar is not None:
+                rows.append(i)
+                grammars.append(r.grammar)
+        if not rows:
             return None
-        constrained.sort(key=_by_shard)  # each shard's rows together: its rows' copy goes as soon as it answers
-        rows, grammars = [i for _, i, _ in constrained], [g for _, _, g in constrained]
         if len(rows) > self.rows:
             raise RuntimeError(f"{len(rows)} constrained rows in a step; the masks hold {self.rows} (max_num_seqs)")
         fills = [[OTHERS] * len(rows) for _ in self.shards]
@@ -238,49 +237,19 @@ class GrammarLink:
         if self._outstanding is pending:
             self._outstanding = None
         rows, waiting_from, times = self.masks[pending.buffer, :len(pending.rows)], time.monotonic(), []
-        on_device = None if self._copy_to is None else self._masking.device_buffer(rows, self._copy_to)
-        for shard, worker, sent_at in self._in_answer_order(pending.sent):
+        for shard, worker, sent_at in pending.sent:
             filled = self._receive(worker, pending.seq)
             if filled is None:
                 _lose(shard, pending.grammars, rows)
-            else:
-                self._note(pending, shard, filled)
-                times.append(_worker_times(filled, sent_at, waiting_from))
-            if on_device is not None:
-                self._masking.copy_rows(rows, on_device, *pending.spans.get(shard.index, (0, 0)))
+                continue
+            by_gid = {g.gid: g for g in pending.grammars} if filled.broken else None
+            for gid, why in zip(filled.broken, filled.why):
+                by_gid[gid].broken = why
+            shard.live = filled.live
+            times.append(_worker_times(filled, sent_at, waiting_from))
         for name, seconds in zip(WORKER_TIMES, map(max, zip(*times))):
             self.worker_s[name] += seconds
-        return MaskBatch(pending.rows, rows, on_device)
-
-    @staticmethod
-    def _note(pending: PendingMasks, shard: Shard, filled: Filled) -> None:
-        """A shard's answer: its broken grammars learn why; its count of live matchers."""
-        by_gid = {g.gid: g for g in pending.grammars} if filled.broken else None
-        for gid, why in zip(filled.broken, filled.why):
-            by_gid[gid].broken = why
-        shard.live = filled.live
-
-    def _in_answer_order(self, sent: list[tuple[Shard, GrammarProcess, float]]):
-        """The shards sent a Step, each as soon as its worker has an answer to read (or is gone): polled for
-        spin_s, then waited for. Through the server the engine waits for the masks ~0.15 ms a step at W-B json
-        100% while the copy of 256 rows takes ~0.18 ms after them (docs/benchmarks.md, twelfth session): the
-        rows of the shards that answered first are on their way meanwhile."""
-        left = list(sent)
-        while left:
-            ready = self._first_ready(left)
-            yield left.pop(ready)
-
-    def _first_ready(self, left: list) -> int:
-        """The index in `left` of a shard whose worker answered, left or was replaced: polled for spin_s, then
-        waited for on every worker's channel at once, POLL_MS at a time."""
-        end = time.perf_counter() + self.spin_s
-        while (k := _ready(left)) is None:
-            if time.perf_counter() >= end:
-                fds = select.poll()
-                for _, worker, _ in left:
-                    fds.register(worker.step.fileno(), select.POLLIN)
-                fds.poll(POLL_MS)
-        return k
+        return MaskBatch(pending.rows, rows)
 
     def _receive(self, worker: GrammarProcess, seq: int) -> Filled | None:
         """The worker's Filled with this seq, or None if the worker is gone (or was replaced)."""
@@ -340,27 +309,6 @@ def _worker_times(filled: Filled, sent_at: float, waiting_from: float) -> tuple[
     was sent the engine read it, counted from when the engine began to wait (before that it was busy)."""
     late = time.monotonic() - max(filled.answered, waiting_from)
     return filled.accept_s, filled.fill_s, filled.received - sent_at, max(0.0, late)
-
-
-def _ready(left: list) -> int | None:
-    """The index of the first (shard, worker, _) whose worker has an answer to read, left or was replaced."""
-    for k, (shard, worker, _) in enumerate(left):
-        if shard.worker is not worker or not worker.alive() or worker.answered(0.0, 0.0):
-            return k
-    return None
-
-
-def _by_shard(item: tuple) -> int:
-    return item[0]
-
-
-def _spans(grammars: list) -> dict[int, tuple[int, int]]:
-    """Shard index -> [start, stop) of its grammars in `grammars`, which holds each shard's together."""
-    spans: dict[int, tuple[int, int]] = {}
-    for j, grammar in enumerate(grammars):
-        start = spans.get(grammar.shard.index, (j, j))[0]
-        spans[grammar.shard.index] = (start, j + 1)
-    return spans
 
 
 def _lose(shard: Shard, grammars: list, rows: torch.Tensor) -> None:

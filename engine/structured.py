@@ -52,7 +52,6 @@ class Grammar:
 class MaskBatch:
     rows: list[int]  # the rows of the step's sampled logits that are constrained
     bitmask: torch.Tensor  # [len(rows), words] int32 on the host: bit j of word w allows token 32 * w + j
-    on_device: torch.Tensor | None = None  # its copy, queued on Masking's side stream already (copy_rows)
 
 
 class StructuredOutputs:
@@ -212,16 +211,16 @@ class Masking:
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
-        in_order = len(batch.rows) == logits.shape[0] and batch.rows == list(range(len(batch.rows)))  # ~2 us
         if logits.is_cuda and self._use_own(logits):
+            in_order = len(batch.rows) == logits.shape[0] and batch.rows == list(range(len(batch.rows)))  # ~2 us
             rows = None if in_order else self._to_device(_index(batch.rows, logits.device), logits.device)
-            mask_kernel.apply_mask(logits, self._mask_on(batch, logits.device), rows)
+            mask_kernel.apply_mask(logits, self._to_device(batch.bitmask, logits.device), rows)
             return
         if self._kernel is None:
             apply_reference(logits, batch)
             return
-        mask = self._mask_on(batch, logits.device)
-        if not in_order:  # the kernel indexes mask and logits by the same row
+        mask = self._to_device(batch.bitmask, logits.device)
+        if len(batch.rows) < logits.shape[0]:  # the kernel indexes mask and logits by the same row
             full = torch.full((logits.shape[0], mask.shape[1]), -1, dtype=torch.int32, device=logits.device)
             full[self._to_device(_index(batch.rows, logits.device), logits.device)] = mask
             mask = full
@@ -245,38 +244,14 @@ class Masking:
         """The host mask on `device`; on CUDA copied on the side stream, which the current stream waits for."""
         if device.type != "cuda":
             return bitmask
-        with torch.cuda.stream(self._stream(device)):
-            mask = bitmask.to(device, non_blocking=True)
-        return self._joined(mask)
-
-    def _mask_on(self, batch: MaskBatch, device: torch.device) -> torch.Tensor:
-        on = batch.on_device
-        return self._to_device(batch.bitmask, device) if on is None or on.device != device else self._joined(on)
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
+        stream, current = self._streams.get(device), torch.cuda.current_stream(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
-        return stream
-
-    def _joined(self, mask: torch.Tensor) -> torch.Tensor:
-        """The current stream waits for the side stream's copies into `mask`."""
-        current = torch.cuda.current_stream(mask.device)
-        current.wait_stream(self._stream(mask.device))
+        with torch.cuda.stream(stream):
+            mask = bitmask.to(device, non_blocking=True)
+        current.wait_stream(stream)
         mask.record_stream(current)  # not reused by the side stream's pool before the current one used it
         return mask
-
-    def device_buffer(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """An empty device tensor shaped like `bitmask`, for copy_rows (allocated on the side stream)."""
-        with torch.cuda.stream(self._stream(device)):
-            return torch.empty(bitmask.shape, dtype=bitmask.dtype, device=device)
-
-    def copy_rows(self, bitmask: torch.Tensor, on_device: torch.Tensor, start: int, stop: int) -> None:
-        """Queue the copy of rows [start, stop) of a page-locked host mask on the side stream, now: a grammar
-        process's rows go as soon as it has filled them, while the others still fill theirs (GrammarLink)."""
-        if stop > start:
-            with torch.cuda.stream(self._stream(on_device.device)):
-                on_device[start:stop].copy_(bitmask[start:stop], non_blocking=True)
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

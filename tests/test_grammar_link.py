@@ -525,17 +525,3 @@ def test_usable_cores_follow_the_cgroup_quota(tmp_path, monkeypatch, cpu_max, wa
     if cpu_max is not None:
         path.write_text(cpu_max)
     assert usable_cores(str(path)) == want
-
-
-def test_each_shards_rows_are_one_span_of_the_mask():
-    """start_fill orders the constrained rows by shard, so a shard's rows are one slice of the mask, copied to
-    the device as soon as that shard answers (_collect)."""
-    from types import SimpleNamespace
-
-    from engine.grammar_link import _by_shard, _spans
-
-    shards = [SimpleNamespace(index=k) for k in range(3)]
-    rows = [(shards[k].index, i, SimpleNamespace(shard=shards[k])) for i, k in enumerate([2, 0, 1, 0, 2, 0])]
-    rows.sort(key=_by_shard)
-    assert [i for _, i, _ in rows] == [1, 3, 5, 2, 0, 4]  # batch rows, shard by shard, in order within each
-    assert _spans([g for _, _, g in rows]) == {0: (0, 3), 1: (3, 4), 2: (4, 6)}
