@@ -299,13 +299,12 @@ class LLMEngine:
         completions, logprobs = self.completions.by_id, runner_out.logprobs  # bound once: ~256 requests a step
         if runner_out.prompt_logprobs:
             self.completions.gather_prompt_logprobs(runner_out.prompt_logprobs)
-        broken = self._advance_grammars(sched_out, runner_out.sampled)
+        updated = self.scheduler.update(sched_out, runner_out.sampled)
+        self._advance_grammars(updated)
         if next_step is not None:
             # The next step's masks fill in the mask thread while this step detokenizes (and, pipelined, while
             # the step after is scheduled and staged): 256 rows, ~1.3 ms on an H100 host's 16 cores.
             self.runner.start_masks(next_step)
-        updated = self.scheduler.update(sched_out, runner_out.sampled)
-        self._fail_broken(broken)
         self.clock.lap("update")
         for req in updated:
             comp = completions[req.request_id]
@@ -326,42 +325,27 @@ class LLMEngine:
         self.clock.lap("outputs")
         return outputs
 
-    def _advance_grammars(self, sched_out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Every constrained request's matcher consumes its new token, before the scheduler's update: the next
-        step's masks wait for this and nothing else, and the update (~0.2-0.3 ms at 256 rows on an H100 host:
-        the "update" section at json 0%, docs/benchmarks.md, twelfth session) runs while they fill. In-process
-        the matchers consume here in the engine thread (~0.3-0.9 ms for 256 rows; structured.StructuredOutputs
-        .start_fill says why not in the mask thread); with the grammar process (engine/grammar_link.py) this only
-        records the tokens for the next Step (~0.1 ms). Returns the requests whose token broke their grammar."""
-        broken = []
-        for sr in sched_out.scheduled:
-            req = sr.request
-            if req.grammar is None or req.is_finished:  # no constraint, or ended (aborted) since it was scheduled
-                continue
-            token = sampled.get(req.request_id)
-            if token is not None and not self._advance_grammar(req, token):
-                broken.append(req)
-        return broken
+    def _advance_grammars(self, updated: list[Request]) -> None:
+        """Every constrained request's matcher consumes its new token: in-process here in the engine thread
+        (~0.3-0.9 ms for 256 rows; structured.StructuredOutputs.start_fill says why not in the mask thread); with
+        the grammar process (engine/grammar_link.py) this only records the tokens for the next Step (~0.1 ms)."""
+        for req in updated:
+            if req.grammar is not None:
+                self._advance_grammar(req, req.output_token_ids[-1])
 
-    def _advance_grammar(self, req: Request, token: int) -> bool:
-        """The matcher consumes the token; False: it refused it (the mask was bypassed). EOS is allowed only where
-        the grammar ends: with ignore_eos the request goes on, unconstrained from there."""
+    def _advance_grammar(self, req: Request, token: int) -> None:
+        """The matcher consumes the token; one it refuses (the mask was bypassed) ends the request. EOS is
+        allowed only where the grammar ends: with ignore_eos the request goes on, unconstrained from there."""
         if token in req.eos_token_ids and req.sampling_params.ignore_eos:
             req.grammar = None
-            return True
-        return req.grammar.accept(token)
-
-    def _fail_broken(self, broken: list[Request]) -> None:
-        """A refused token ends its request with an error, unless the token ended it anyway (the update ran)."""
-        for req in broken:
-            if req.is_finished:
-                continue
-            why = req.grammar.error()
-            logger.warning("request %s: token %d breaks its grammar (%s)", req.request_id, req.output_token_ids[-1],
-                           why)
-            req.error = f"the output cannot follow the request's constraint: {why}"[:300]
-            req.error_code = "invalid_grammar"  # the grammar's fault (e.g. too complex to parse), not the server's
-            self.scheduler.finish_request(req.request_id, FinishReason.ERROR)
+            return
+        if req.grammar.accept(token) or req.is_finished:
+            return
+        why = req.grammar.error()
+        logger.warning("request %s: token %d breaks its grammar (%s)", req.request_id, token, why)
+        req.error = f"the output cannot follow the request's constraint: {why}"[:300]
+        req.error_code = "invalid_grammar"  # the grammar's fault (e.g. too complex to parse), not the server's
+        self.scheduler.finish_request(req.request_id, FinishReason.ERROR)
 
     def _detokenize(self, req: Request, detok: IncrementalDetokenizer, token: int) -> str:
         """The token's text; a stop string in it finishes the request."""
