@@ -325,6 +325,7 @@ async def _tool_calls(ctx: serving.ServingContext, req, params):
     """The parser of the reply's tool calls (None: plain text); a forced call (tool_choice required or named)
     becomes the request's grammar."""
     parser = tools.tool_parser(req, ctx.tool_call_parser, serving.chat_template(ctx, req))
+    await _check_tool_schemas(ctx, req)
     forced = tools.forced_call_grammar(req, parser)
     if forced is not None:
         if params.structured is not None:
@@ -334,6 +335,18 @@ async def _tool_calls(ctx: serving.ServingContext, req, params):
         params.structured = forced
         _check_params(params)
     return parser
+
+
+async def _check_tool_schemas(ctx: serving.ServingContext, req) -> None:
+    """Each tool's `parameters` must be a JSON schema the grammar engine takes, whatever tool_choice is (as
+    OpenAI refuses one): with `auto` a bad one would otherwise reach only the chat template, silently. A 400
+    invalid_grammar naming the tool; the checks are cached by schema (server/structured.py GrammarChecker)."""
+    for i, so in enumerate(tools.parameter_schemas(req)):
+        try:
+            await ctx.grammars.check(so)
+        except APIError as err:
+            where = f"tools[{i}].function.parameters"
+            raise APIError(400, f"{where}: {err.message.partition(': ')[2] or err.message}", err.code, where) from None
 
 
 async def _respond(request: Request, stream: bool, gen, make_stream, make_body) -> Response:

@@ -43,6 +43,11 @@ def tool_parser(req, parser_name: str | None, chat_template: str | None):
     return NamedParser(choice.function.name)
 
 
+def parameter_schemas(req) -> list[StructuredOutput]:
+    """One JSON-schema constraint per tool of the request (its parameters, or none's), in order."""
+    return [StructuredOutput(json=json.dumps(_params_schema(t), sort_keys=True)) for t in req.tools or []]
+
+
 def forced_call_grammar(req, parser) -> StructuredOutput | None:
     """The grammar of a forced call (required / named), or None."""
     if not isinstance(parser, (NamedParser, RequiredParser)):

@@ -407,3 +407,6 @@ def test_tool_choice_errors(server):
     assert err(tool_choice="required") == "tool_choice"
     assert err(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}) == "tool_choice"
     assert err(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}) == "tool_choice"
+    bad = {"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}
+    for choice in ("auto", "none", "required"):  # refused whatever tool_choice is, naming the tool
+        assert err(tools=[WEATHER, bad], tool_choice=choice) == "tools[1].function.parameters"
