@@ -206,3 +206,21 @@ def test_cpu_by_role_counts_a_busy_child_under_its_title_and_leaves_idle_roles_o
         child.kill()
         child.wait()
     assert 0.2 < cores["front ends"] <= 1.05 and "grammar processes" not in cores
+
+
+def test_wb_is_sent_greedy_as_defined_unless_asked_otherwise(monkeypatch, tmp_path):
+    """W-B is greedy (bench/workloads.py, vLLM's vllm_bench.py): every request the pair sends carries its load's
+    temperature, 0 unless --temperature says otherwise (earlier sessions sent none: OpenAI's default of 1)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import online_pair
+
+    sent = []
+    monkeypatch.setattr(server_procs, "run_bench_serve", lambda cmd, out, timeout: sent.append(cmd) or {})
+    monkeypatch.setattr(online_pair, "summarize", lambda result, load, seed: {})
+    for temperature in (None, 0.7):
+        argv = [] if temperature is None else ["--temperature", str(temperature)]
+        args = online_pair.parse_args(argv)
+        _, loads = online_pair.gpu_loads(args.repeat, args.client_workers, args.temperature)
+        online_pair.bench_serve("http://x", loads[0], 1, "structured_outputs", tmp_path / "r.json", 30)
+    bodies = [json.loads(cmd[cmd.index("--extra-body") + 1]) for cmd in sent]
+    assert bodies == [{"temperature": 0.0}, {"temperature": 0.7}]
