@@ -25,15 +25,24 @@ def role_of(cmdline: str) -> str:
     return next((role for fragment, role in ROLES if fragment in cmdline), "other")
 
 
+def role_of_pid(pid: int) -> str | None:
+    """A live process's role (by its command line, process title included), or None once it is gone."""
+    try:
+        cmdline = Path("/proc", str(pid), "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    return role_of(cmdline)
+
+
 def _sample(pid: int) -> tuple[str, float] | None:
     """(role, CPU seconds so far: user + system) of a live process, or None once it is gone."""
-    proc = Path("/proc", str(pid))
     try:
-        fields = (proc / "stat").read_text().rpartition(")")[2].split()
-        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        fields = Path("/proc", str(pid), "stat").read_text().rpartition(")")[2].split()
+        cpu = (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: fields 14, 15
     except (OSError, IndexError):
         return None
-    return role_of(cmdline), (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: fields 14, 15
+    role = role_of_pid(pid)
+    return None if role is None else (role, cpu)
 
 
 def cpu_by_role(root: int) -> dict[str, float]:

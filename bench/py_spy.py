@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.proc_cpu import role_of
+from bench.proc_cpu import role_of_pid
 from bench.server_procs import descendants
 
 RATE_HZ = 500  # samples a second: ~500 a 1 s load, enough to rank a 5% share; py-spy's own default is 100
@@ -38,14 +38,7 @@ class ThreadProfile:
 
 def engine_core_pid(server_pid: int) -> int | None:
     """The engine core process below a `kvserve serve` process (found by its process title)."""
-    for pid in descendants(server_pid):
-        try:
-            cmdline = Path("/proc", str(pid), "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if role_of(cmdline) == "engine core":
-            return pid
-    return None
+    return next((pid for pid in descendants(server_pid) if role_of_pid(pid) == "engine core"), None)
 
 
 class Recorder:
