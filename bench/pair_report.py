@@ -116,6 +116,18 @@ def median_of(runs: list[PairRun], system: str, load: str, key: str) -> float | 
     return statistics.median(values) if values else None
 
 
+def paired_ratios(runs: list[PairRun], system: str, load: str, base: str) -> list[float]:
+    """Each repetition's throughput over the same repetition's `base` load (run next to it: the loads alternate),
+    where both completed: how far the median ratio's repetitions spread (json 0% alone swings ~20% between
+    repetitions of one server on the H100 hosts, docs/benchmarks.md, twelfth session)."""
+    def by_rep(name: str) -> dict[int, float]:
+        return {r.repeat: r.metrics["output_throughput"] for r in runs
+                if r.system == system and r.load == name and counts(r.metrics)}
+
+    mine, ref = by_rep(load), by_rep(base)
+    return [mine[k] / ref[k] for k in sorted(mine) if ref.get(k)]
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -138,7 +150,8 @@ def _json_cell(runs: list[PairRun], system: str, load: str) -> str:
 
 def wb_table(runs: list[PairRun], systems: list[str], loads: list[PairLoad], figures: dict) -> list[str]:
     """Markdown: one row per load and system (medians), its throughput relative to the same system's 0%
-    load, then kvserve / other system."""
+    load (the ratio of medians, and in brackets the range of the repetitions' paired ratios), then kvserve /
+    other system."""
     base = next((ld.name for ld in loads if ld.kind == "wb" and not ld.structured_fraction), None)
     lines = ["| load | system | out tok/s | vs json 0% | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
              "constrained outputs |",
@@ -147,10 +160,12 @@ def wb_table(runs: list[PairRun], systems: list[str], loads: list[PairLoad], fig
         for s in systems:
             tput = median_of(runs, s, load.name, "output_throughput")
             rel = _ratio(tput, median_of(runs, s, base, "output_throughput")) if base else None
-            figures[f"{load.name}|{s}"] = {"output_throughput": tput, "vs_json0": rel, **{
+            paired = paired_ratios(runs, s, load.name, base) if base else []
+            figures[f"{load.name}|{s}"] = {"output_throughput": tput, "vs_json0": rel, "vs_json0_paired": paired, **{
                 k: median_of(runs, s, load.name, k) for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms")}}
             f = figures[f"{load.name}|{s}"]
-            lines.append(f"| {load.name} | {s} | {_fmt(tput, ',.0f')} | {_fmt(rel, '.2f')}x | "
+            spread = f" ({min(paired):.2f}-{max(paired):.2f})" if len(paired) > 1 and load.name != base else ""
+            lines.append(f"| {load.name} | {s} | {_fmt(tput, ',.0f')} | {_fmt(rel, '.2f')}x{spread} | "
                          f"{_fmt(f['median_ttft_ms'], '.1f')} | {_fmt(f['p99_ttft_ms'], '.1f')} | "
                          f"{_fmt(f['median_tpot_ms'], '.2f')} | {_json_cell(runs, s, load.name)} |")
         for other in systems[1:]:

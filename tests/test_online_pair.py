@@ -86,6 +86,19 @@ def test_tables_ratios_and_targets_from_medians_of_complete_runs():
         "PASS  TTFT 8k: kvserve TTFT p50 <= vLLM (0.80x)"]
 
 
+def test_each_repetition_is_paired_with_the_same_repetition_of_json_0():
+    """The table's "vs json 0%" also gives the range of repetition-by-repetition ratios; a failed run pairs
+    with nothing."""
+    loads = [PairLoad("W-B json 0%", "wb", 256, 512, 128), PairLoad("W-B json 100%", "wb", 256, 512, 128, 1.0)]
+    runs = [_run("kvserve", "W-B json 0%", k, t) for k, t in enumerate([1000, 1200, 800, 900])]
+    runs += [_run("kvserve", "W-B json 100%", k, t, failed=k // 3) for k, t in enumerate([900, 1260, 720, 1])]
+    figures: dict = {}
+    wb = wb_table(runs, ["kvserve"], loads, figures)
+    assert figures["W-B json 100%|kvserve"]["vs_json0_paired"] == pytest.approx([0.9, 1.05, 0.9])
+    assert wb[3].startswith("| W-B json 100% | kvserve | 900 | 0.95x (0.90-1.05) |")
+    assert wb[2].startswith("| W-B json 0% | kvserve | 950 | 1.00x |")
+
+
 # ------------------------------------------------------------------------------------ the script, on the CPU
 
 FAKE_VLLM = """#!/usr/bin/env bash
