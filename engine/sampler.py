@@ -103,10 +103,9 @@ class Sampler:
             return logits
         if len(random_rows) == len(params):
             return self._race(logits, requests)
-        scores = logits.float()
-        if random_rows:
-            rows = to_device(random_rows, logits.device)
-            scores[rows] = self._race(logits[rows], [requests[i] for i in random_rows])
+        scores = logits.float()  # some rows greedy, some random
+        rows = to_device(random_rows, logits.device)
+        scores[rows] = self._race(logits[rows], [requests[i] for i in random_rows])
         return scores
 
     def _exponentials(self, like: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -43,9 +43,14 @@ def tool_parser(req, parser_name: str | None, chat_template: str | None):
     return NamedParser(choice.function.name)
 
 
+def _arguments_grammar(tool) -> StructuredOutput:
+    """The JSON-schema constraint of a tool's arguments (its parameters, or none's)."""
+    return StructuredOutput(json=json.dumps(_params_schema(tool), sort_keys=True))
+
+
 def parameter_schemas(req) -> list[StructuredOutput]:
-    """One JSON-schema constraint per tool of the request (its parameters, or none's), in order."""
-    return [StructuredOutput(json=json.dumps(_params_schema(t), sort_keys=True)) for t in req.tools or []]
+    """One constraint per tool of the request, in order: each tool's arguments."""
+    return [_arguments_grammar(t) for t in req.tools or []]
 
 
 def forced_call_grammar(req, parser) -> StructuredOutput | None:
@@ -53,8 +58,7 @@ def forced_call_grammar(req, parser) -> StructuredOutput | None:
     if not isinstance(parser, (NamedParser, RequiredParser)):
         return None
     if isinstance(parser, NamedParser):
-        tool = next(t for t in req.tools if t.function.name == parser.name)
-        return StructuredOutput(json=json.dumps(_params_schema(tool), sort_keys=True))
+        return _arguments_grammar(next(t for t in req.tools if t.function.name == parser.name))
     item = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                          "parameters": _params_schema(t)},
                        "required": ["name", "parameters"], "additionalProperties": False} for t in req.tools]}
