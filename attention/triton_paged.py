@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata, GraphSupport
+from attention.triton_decode_tma import decode_tma, tma_decode_available, tma_decode_fits
+from attention.triton_split import keys_per_split, store_partial
 
 _LOG2E = 1.4426950408889634
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
@@ -39,6 +41,9 @@ _MAX_SPLITS = 32
 # partials; when it does not, short ones add the parallelism (_decode_split_keys).
 DECODE_SPLIT_KEYS_FULL = 1024
 DECODE_SPLIT_KEYS_SPARSE = 256
+# Decode-only batches' kernel where the choice is ours: "pointer" (_paged_attention_kernel) until the TMA kernel
+# (attention/triton_decode_tma.py) is timed faster on the device.
+DECODE_KERNEL = "pointer"
 
 
 @triton.jit
@@ -86,12 +91,6 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo
-
-
-@triton.jit
-def _keys_per_split(seq_len, NUM_SPLITS: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Whole BLOCK_N tiles, at least MIN_KEYS; the kernel and the merge must agree on it.
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_KEYS)
 
 
 @triton.jit
@@ -172,7 +171,7 @@ def _paged_attention_kernel(
         kv_lo = 0
         kv_hi = kv_end
     else:
-        per_split = _keys_per_split(seq_len, NUM_SPLITS, SPLIT_KEYS, BLOCK_N)
+        per_split = keys_per_split(seq_len, NUM_SPLITS, SPLIT_KEYS, BLOCK_N)
         kv_lo = split * per_split
         kv_hi = tl.minimum(kv_end, kv_lo + per_split)
         if DECODE_ONLY and split > 0 and kv_lo >= kv_end:  # past this sequence's last range
@@ -211,17 +210,9 @@ def _paged_attention_kernel(
         if seq_len <= per_split:  # one range holds the whole sequence: the answer, no merge
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         else:
-            _store_partial(part_out_ptr, part_lse_ptr, part, out, m_i, l_i, row_ok, offs_d, HEAD_DIM_P)
+            store_partial(part_out_ptr, part_lse_ptr, part, out, m_i, l_i, row_ok, offs_d, HEAD_DIM_P)
     else:
-        _store_partial(part_out_ptr, part_lse_ptr, part, out, m_i, l_i, row_ok, offs_d, HEAD_DIM_P)
-
-
-@triton.jit
-def _store_partial(part_out_ptr, part_lse_ptr, part, out, m_i, l_i, row_ok, offs_d, HEAD_DIM_P: tl.constexpr):
-    # A range's normalized output and its log-sum-exp, for the merge.
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], out, mask=row_ok[:, None])
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-    tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        store_partial(part_out_ptr, part_lse_ptr, part, out, m_i, l_i, row_ok, offs_d, HEAD_DIM_P)
 
 
 @triton.jit
@@ -237,7 +228,7 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, stri
     offs_d = tl.arange(0, HEAD_DIM_P)
     if DECODE_ONLY:  # token t is sequence t; only its ranges were written
         seq_len = tl.load(seq_lens_ptr + t)
-        num_used = tl.cdiv(seq_len, _keys_per_split(seq_len, NUM_SPLITS, SPLIT_KEYS, BLOCK_N))
+        num_used = tl.cdiv(seq_len, keys_per_split(seq_len, NUM_SPLITS, SPLIT_KEYS, BLOCK_N))
         if num_used == 1:  # its one range wrote the output itself
             return
         used = splits < num_used
@@ -295,13 +286,47 @@ def _decode_splits(max_keys: int, split_keys: int) -> int:
     return _pow2_floor(min(-(-max_keys // split_keys), _MAX_SPLITS))
 
 
+def _decode_kernel(choice: str | None, query: torch.Tensor, page_size: int, block_n: int) -> str:
+    """A decode-only batch's kernel: the caller's choice, else DECODE_KERNEL where it can run."""
+    if choice is None:
+        tma = DECODE_KERNEL == "tma" and tma_decode_available(query, page_size, block_n)
+        return "tma" if tma else "pointer"
+    if choice == "tma" and not tma_decode_fits(query.shape[-1], page_size, block_n):
+        raise ValueError(f"the TMA decode kernel needs a power-of-two head dim and pages of whole key tiles, "
+                         f"not head dim {query.shape[-1]}, pages of {page_size}, tiles of {block_n}")
+    return choice
+
+
+def _launch_pointer_kernel(out, part_out, part_lse, query, key_cache, value_cache, meta: AttentionMetadata,
+                           qk_scale: float, grid: tuple[int, int, int], tiles: tuple[int, int, int, int],
+                           split_keys: int) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    block_m, block_n, num_warps, num_stages = tiles
+    group = num_heads // num_kv_heads
+    _paged_attention_kernel[grid](
+        out, part_out, part_lse, query, key_cache, value_cache,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_seqs, qk_scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, HEAD_DIM_P=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
+        NUM_SPLITS=grid[2], SPLIT_KEYS=split_keys, DECODE_ONLY=meta.num_prefills == 0,
+        # float32 caches (rare on GPU) keep full precision; tf32 would cost ~1e-3 relative error.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+
+
 def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sm_count: int,
                            num_splits: int | None = None, decode_split_keys: int | None = None,
-                           tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                           tiles: tuple[int, int, int, int] | None = None,
+                           decode_kernel: str | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, dim] -> [num_tokens, num_heads, dim]. `num_splits` and
     `decode_split_keys` (a multiple of the key tile, 64 or 128) None: chosen from shapes (_num_splits,
-    _decode_split_keys, _decode_splits); tests and benchmarks force them, and `tiles` (_tiles' tuple)."""
+    _decode_split_keys, _decode_splits); tests and benchmarks force them, `tiles` (_tiles' tuple) and
+    `decode_kernel` ("tma" or "pointer" for decode-only batches; None: _decode_kernel's choice)."""
     num_tokens, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
@@ -324,18 +349,13 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
                                device=query.device)
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device)
     assert query.stride(-1) == 1 and key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-    _paged_attention_kernel[(grid_q, num_kv_heads, num_splits)](
-        out, part_out, part_lse, query, key_cache, value_cache,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.num_seqs, scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), meta.block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        SPLIT_KEYS=split_keys, DECODE_ONLY=decode_only,
-        # float32 caches (rare on GPU) keep full precision; tf32 would cost ~1e-3 relative error.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+    tiles = (block_m, block_n, num_warps, num_stages)
+    if decode_only and _decode_kernel(decode_kernel, query, page_size, block_n) == "tma":
+        decode_tma(out, part_out, part_lse, query, key_cache, value_cache, meta, scale * _LOG2E, num_splits,
+                   split_keys, tiles)
+    else:
+        _launch_pointer_kernel(out, part_out, part_lse, query, key_cache, value_cache, meta, scale * _LOG2E,
+                               (grid_q, num_kv_heads, num_splits), tiles, split_keys)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, meta.seq_lens, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
@@ -346,6 +366,7 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 class TritonAttentionImpl(AttentionImpl):
     decode_split_keys: int | None = None  # None: by batch size; benchmarks/profile_workload.py varies it
+    decode_kernel: str | None = None  # None: _decode_kernel's choice; the same benchmark varies it
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__(num_heads, head_dim, scale, num_kv_heads)
@@ -356,7 +377,7 @@ class TritonAttentionImpl(AttentionImpl):
         if self._sm_count is None:
             self._sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count
         return paged_attention_triton(query, key_cache, value_cache, meta, self.scale, self._sm_count,
-                                      decode_split_keys=self.decode_split_keys)
+                                      decode_split_keys=self.decode_split_keys, decode_kernel=self.decode_kernel)
 
     def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, metas: list[AttentionMetadata]) -> None:
         """Every split count (and, for decode-only metas, both range lengths) an eager step of these shapes can
@@ -371,7 +392,8 @@ class TritonAttentionImpl(AttentionImpl):
             for split_keys in key_lens:
                 for num_splits in splits:
                     paged_attention_triton(query, key_cache, value_cache, meta, self.scale, self._sm_count,
-                                           num_splits=num_splits, decode_split_keys=split_keys)
+                                           num_splits=num_splits, decode_split_keys=split_keys,
+                                           decode_kernel=self.decode_kernel)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -118,7 +118,8 @@ def bench_triton_variant(batch, layers, heads: tuple[int, int, int], iters: int,
 
 
 TRITON_VARIANTS = {"triton (split-KV off)": {"num_splits": 1}, **{
-    f"triton (decode ranges of {n})": {"decode_split_keys": n} for n in (256, 512, 1024)}}
+    f"triton (decode ranges of {n})": {"decode_split_keys": n} for n in (256, 512, 1024)},
+    "triton (pointer decode)": {"decode_kernel": "pointer"}, "triton (TMA decode)": {"decode_kernel": "tma"}}
 # Prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) against _tiles' choice, for batches with prefills.
 TRITON_PREFILL_TILES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
                         (256, 64, 8, 2)]
@@ -128,6 +129,12 @@ TRITON_PREFILL_TILES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64
 # padded to a power of two, at least 16.
 TRITON_DECODE_TILES = [(16, 64, 4, 2), (16, 64, 8, 2), (16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 4),
                        (16, 256, 8, 2)]
+
+
+# The TMA decode kernel's tiles (attention/triton_decode_tma.py): whole tiles of a 128-token page, pipelines
+# of 2 to 4 stages.
+TRITON_TMA_DECODE_TILES = [(16, 128, 4, 2), (16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 3), (16, 64, 4, 4),
+                           (16, 128, 8, 3), (16, 64, 2, 4)]
 
 
 def bench_dense_prefill(batch, heads: tuple[int, int, int], iters: int, kernel: str) -> dict | None:
@@ -179,8 +186,13 @@ def run(iters: int, only: str | None = None, block_size: int = 16, backends: lis
                                  for label, opts in TRITON_VARIANTS.items()
                                  if work_name.startswith("decode") or opts.get("num_splits")]
                     tiles = TRITON_DECODE_TILES if work_name.startswith("decode") else TRITON_PREFILL_TILES
-                    variants += [(f"triton (tiles {t})", functools.partial(
-                        bench_triton_variant, batch, layers, heads, iters, tiles=t)) for t in tiles]
+                    variants += [(f"triton (tiles {t})", functools.partial(  # decodes: the pointer kernel's
+                        bench_triton_variant, batch, layers, heads, iters, tiles=t, decode_kernel="pointer"))
+                        for t in tiles]
+                    if work_name.startswith("decode"):
+                        variants += [(f"triton TMA (tiles {t})", functools.partial(
+                            bench_triton_variant, batch, layers, heads, iters, tiles=t, decode_kernel="tma"))
+                            for t in TRITON_TMA_DECODE_TILES if block_size % t[1] == 0]
                 if name in ("triton", "flash-attn-4") and work_name.startswith("prefill") and with_variants:
                     kernel = "torch" if name == "triton" else name  # torch's varlen rides along once
                     variants.append((f"{kernel} varlen (dense K/V, no pages)",

@@ -13,6 +13,7 @@ Prints a table per backend and a side-by-side summary; writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -134,17 +135,19 @@ def kernel_table(prof, window: tuple[int, int], batch: int, top: int = 12) -> di
             "top": [{"kernel": k[:100], "us_per_step": v, "share": v / total} for k, v in rows]}
 
 
-def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workloads: dict, args) -> list[dict]:
+def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workloads: dict, args,
+                    decode_kernel: str | None = None) -> list[dict]:
     """One engine, each workload warmed up then timed; the first workload also profiled in windows."""
+    from attention.triton_paged import TritonAttentionImpl
     from engine.llm import LLM
     from engine.malloc import freeze_startup_objects
 
-    if split_keys:  # read at capture: graphs keep the split count they were captured with
-        from attention.triton_paged import TritonAttentionImpl
-        TritonAttentionImpl.decode_split_keys = split_keys
+    # Read at capture: graphs keep the split count and the kernel they were captured with.
+    TritonAttentionImpl.decode_split_keys = split_keys
+    TritonAttentionImpl.decode_kernel = decode_kernel
     limits = PRESET_LIMITS.get(next(iter(workloads)), DEFAULT_LIMITS)
     llm = LLM(model=str(model_dir), attention_backend=backend, max_num_seqs=256, skip_tokenizer_init=True,
-              enable_prefix_caching=False, **limits)
+              enable_prefix_caching=False, block_size=args.block_size, **limits)
     engine, results = llm.engine, []
     windows = [tuple(int(x) for x in w.split("-")) for w in args.windows.split(",") if w]
     for i, (name, workload) in enumerate(workloads.items()):
@@ -152,7 +155,8 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
         freeze_startup_objects()  # as the server and bench throughput do (engine/malloc.py)
         timed = run_timed(engine, workload)
         kernels = run_profiled(engine, workload, windows) if windows and i == 0 else []
-        results.append({"backend": engine.backend_name, "triton_decode_split_keys": split_keys, "preset": name,
+        results.append({"backend": engine.backend_name, "triton_decode_split_keys": split_keys,
+                        "triton_decode_kernel": decode_kernel, "block_size": engine.block_size, "preset": name,
                         "output_tokens": workload.output_tokens,
                         "out_tok_per_s": workload.output_tokens / timed["wall_s"], **timed, "kernels": kernels})
         print_result(results[-1])
@@ -164,7 +168,8 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
 def label(r: dict) -> str:
     keys = r["triton_decode_split_keys"]
     split = "" if not keys else " (decode: no split)" if keys >= 1 << 20 else f" (decode ranges of {keys})"
-    return f"{r['backend']}{split}, {r['preset']}"
+    kernel = f" ({r['triton_decode_kernel']} decode)" if r.get("triton_decode_kernel") else ""
+    return f"{r['backend']}{split}{kernel}, {r['preset']}"
 
 
 def group_order(group: str) -> tuple[int, int]:
@@ -257,6 +262,10 @@ def main() -> int:
     p.add_argument("--triton-decode-split-keys", default="",
                    help="comma-separated keys per split-KV range in triton's decode-only batches, one engine "
                         "each (a huge value: no split); default: the kernel's")
+    p.add_argument("--triton-decode-kernel", default="",
+                   help="comma-separated, of pointer and tma: triton's decode-only kernel, one engine each; "
+                        "default: the kernel's choice")
+    p.add_argument("--block-size", type=int, help="KV page size; default: the backend's")
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path, help="a PNG of the step groups per run, and beside it (NAME_kernels.png) "
                    "one of each profiled window's kernels by category")
@@ -278,8 +287,10 @@ def main() -> int:
         config = args.model_config or PRESET_MODELS[args.preset.split(",")[0]]
         model_dir = build_random_model(parse_model_config(config), Path(tmp))
         for backend in args.attention_backend.split(","):
-            for split_keys in (splits if backend == "triton" else [None]):
-                results += profile_backend(model_dir, backend, split_keys, workloads, args)
+            kernels = [k for k in args.triton_decode_kernel.split(",") if k] or [None]
+            for split_keys, kernel in itertools.product(*((splits, kernels) if "triton" in backend
+                                                          else ([None], [None]))):
+                results += profile_backend(model_dir, backend, split_keys, workloads, args, kernel)
                 if args.out:  # after each engine: a run cut short still leaves what it measured
                     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
                     args.out.write_text(json.dumps({"device": device, "results": results}, indent=2))

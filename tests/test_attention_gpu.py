@@ -125,12 +125,19 @@ def test_triton_decode_ranges_match_reference(split_keys, head_dim):
 DECODE_TILES = [(16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 4), (16, 256, 8, 2)]
 
 
+@pytest.mark.parametrize("decode_kernel", ["pointer", "tma"])
 @pytest.mark.parametrize("tiles", DECODE_TILES + [None])  # None: _tiles' choice
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_triton_decode_tiles_match_reference(tiles, block_size, head_dim):
+def test_triton_decode_tiles_match_reference(tiles, block_size, head_dim, decode_kernel):
     _backend_or_skip("triton", head_dim, block_size)
-    from attention.triton_paged import paged_attention_triton, write_kv_triton
+    from attention.triton_decode_tma import tma_decode_fits
+    from attention.triton_paged import _tiles, paged_attention_triton, write_kv_triton
+
+    block_n = (tiles or _tiles(head_dim, 7, True, block_size))[1]
+    if decode_kernel == "tma" and not (tma_decode_fits(head_dim, block_size, block_n)
+                                       and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("the TMA decode kernel needs Hopper and pages of whole key tiles")
 
     rng = random.Random(block_size + (tiles or (0, 0))[1] + head_dim)
     lens = [(0, 1), (127, 1), (128, 1), (1024, 1)] + [(rng.randint(0, 9000), 1) for _ in range(28)]
@@ -140,7 +147,8 @@ def test_triton_decode_tiles_match_reference(tiles, block_size, head_dim):
     write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
     for split_keys in (256, 1024):
         out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, head_dim ** -0.5,
-                                     sm_count=132, decode_split_keys=split_keys, tiles=tiles)
+                                     sm_count=132, decode_split_keys=split_keys, tiles=tiles,
+                                     decode_kernel=decode_kernel)
         assert _rel_err(out, ref) < 1e-2, (tiles, split_keys)
 
 
@@ -260,3 +268,38 @@ def test_long_prefill_chunks_match_reference(name, block_size):
     out, ref, caches, ref_caches = _run_both(backend, batch, 7, 64)
     assert _rel_err(out, ref) < 1e-2
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+
+
+@pytest.mark.parametrize("tiles", [(16, 128, 4, 2), (16, 128, 4, 3), (16, 128, 4, 4), (16, 64, 4, 3),
+                                   (16, 64, 4, 4), (16, 128, 8, 3), (16, 64, 2, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_tma_decode_tiles_match_reference_over_nan_garbage(tiles, head_dim):
+    """benchmarks/attention_kernels.py's TMA decode tiles: a tile past a sequence's end reads the page's other
+    slots, here NaN, which must not reach the output."""
+    _backend_or_skip("triton", head_dim, 128)
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA decode kernel needs Hopper")
+    import triton
+
+    from attention.triton_paged import paged_attention_triton, write_kv_triton
+
+    rng = random.Random(head_dim)
+    lens = [(0, 1), (127, 1), (128, 1), (1024, 1)] + [(rng.randint(0, 9000), 1) for _ in range(28)]
+    batch = make_random_batch(lens, 14, NUM_KV_HEADS, head_dim, 128, torch.bfloat16, "cuda", seed=3)
+    ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
+        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
+    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    owned = torch.zeros(batch.key_cache.shape[0] * 128, dtype=torch.bool, device="cuda")
+    for spec in batch.specs:
+        slots = torch.tensor(spec.block_ids, device="cuda")[:, None] * 128 + torch.arange(128, device="cuda")
+        owned[slots.flatten()[:spec.context_len + spec.query_len]] = True
+    for cache in (batch.key_cache, batch.value_cache):
+        cache.view(-1, NUM_KV_HEADS, head_dim)[~owned] = float("nan")
+    for split_keys in (256, 1024):
+        try:
+            out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta,
+                                         head_dim ** -0.5, sm_count=132, decode_split_keys=split_keys, tiles=tiles,
+                                         decode_kernel="tma")
+        except triton.runtime.errors.OutOfResources as e:  # 4 stages of 128 x 128 tiles: over the shared memory
+            pytest.skip(str(e))
+        assert _rel_err(out, ref) < 1e-2, (tiles, split_keys)

@@ -1,0 +1,70 @@
+"""Our Triton decode kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before triton
+decorates a kernel, so in a process of its own): the TMA decode kernel and the pointer kernel against the
+PyTorch reference, with NaN in every cache slot no sequence owns (a TMA tile past a sequence's end reads
+them), over 128-token pages and 64-token ones, split-KV ranges on and off."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+INTERPRETED = """
+import random, sys, torch
+from attention.testing import make_random_batch
+from attention.torch_ref import TorchAttentionImpl
+from attention.triton_paged import paged_attention_triton
+
+def case(block_size, tiles, seed):
+    rng = random.Random(seed)
+    lens = [(0, 1), (block_size - 1, 1), (block_size, 1), (300, 1)] + [(rng.randint(0, 900), 1) for _ in range(4)]
+    b = make_random_batch(lens, 14, 2, 64, block_size, torch.float32, "cpu", seed=seed)
+    ref = TorchAttentionImpl(14, 64, 0.125, 2).forward(b.query, b.key, b.value, b.key_cache.clone(),
+                                                       b.value_cache.clone(), b.meta)
+    owned = torch.zeros(b.key_cache.shape[0] * block_size, dtype=torch.bool)
+    for spec in b.specs:
+        slots = torch.tensor(spec.block_ids)[:, None] * block_size + torch.arange(block_size)
+        owned[slots.flatten()[:spec.context_len + spec.query_len]] = True
+    ok = b.meta.slot_mapping >= 0
+    for cache, new in ((b.key_cache, b.key), (b.value_cache, b.value)):
+        flat = cache.view(-1, 2, 64)
+        flat[~owned] = float("nan")
+        flat[b.meta.slot_mapping[ok]] = new[ok]
+    errors = []
+    for kernel in ("tma", "pointer"):
+        for split_keys, num_splits in ((256, None), (None, 1)):
+            out = paged_attention_triton(b.query, b.key_cache, b.value_cache, b.meta, 0.125, sm_count=132,
+                                         num_splits=num_splits, decode_split_keys=split_keys, tiles=tiles,
+                                         decode_kernel=kernel)
+            errors.append(((out - ref).norm() / ref.norm()).item())
+    return errors
+
+errors = case(128, (16, 128, 4, 2), 1) + case(64, (16, 64, 4, 3), 2)
+print("max relative error", max(errors))
+sys.exit(0 if max(errors) < 1e-5 else 1)
+"""
+
+
+def test_decode_kernels_match_the_reference_through_tritons_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+def test_a_forced_tma_decode_refuses_tiles_that_straddle_pages():
+    pytest.importorskip("triton")
+    import torch
+
+    from attention.testing import make_random_batch
+    from attention.triton_paged import paged_attention_triton
+
+    b = make_random_batch([(100, 1), (30, 1)], 14, 2, 64, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="pages of whole key tiles"):
+        paged_attention_triton(b.query, b.key_cache, b.value_cache, b.meta, 0.125, sm_count=132,
+                               tiles=(16, 64, 4, 2), decode_kernel="tma")
