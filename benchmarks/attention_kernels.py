@@ -119,7 +119,8 @@ def bench_triton_variant(batch, layers, heads: tuple[int, int, int], iters: int,
 
 TRITON_VARIANTS = {"triton (split-KV off)": {"num_splits": 1}, **{
     f"triton (decode ranges of {n})": {"decode_split_keys": n} for n in (256, 512, 1024)},
-    "triton (pointer decode)": {"decode_kernel": "pointer"}, "triton (TMA decode)": {"decode_kernel": "tma"}}
+    "triton (pointer decode)": {"decode_kernel": "pointer"}, **{
+    f"triton (TMA decode, ranges of {n})": {"decode_kernel": "tma", "decode_split_keys": n} for n in (1024, 2048)}}
 # Prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) against _tiles' choice, for batches with prefills.
 TRITON_PREFILL_TILES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
                         (256, 64, 8, 2)]
@@ -165,11 +166,11 @@ def kv_bytes(batch, heads: tuple[int, int, int]) -> int:
 
 
 def run(iters: int, only: str | None = None, block_size: int = 16, backends: list[str] | None = None,
-        with_variants: bool = True) -> list[dict]:
+        with_variants: bool = True, skip: tuple[str, ...] = ()) -> list[dict]:
     rows = []
     for shape_name, heads in SHAPES.items():
         for work_name, lens in workloads(random.Random(0)).items():
-            if only and only not in f"{shape_name} {work_name}":
+            if only and only not in f"{shape_name} {work_name}" or any(x in work_name for x in skip):
                 continue
             batch = make_random_batch(lens, *heads, block_size, torch.bfloat16, "cuda", seed=1)
             layers = _layers(batch)
@@ -235,6 +236,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="where to write the JSON results")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--only", help="run the shape/workload pairs whose names contain this text")
+    parser.add_argument("--skip-workloads", default="", help="comma-separated: skip workloads whose names contain any")
     parser.add_argument("--block-size", default="16", help="KV block sizes, comma-separated: each a full run")
     parser.add_argument("--backends", help="comma-separated backend names (default: every registered one)")
     parser.add_argument("--no-variants", action="store_true", help="backends as shipped only, no Triton variants")
@@ -248,7 +250,8 @@ def main() -> None:
         pass
     backends = args.backends.split(",") if args.backends else None
     rows = [row for bs in args.block_size.split(",")
-            for row in run(args.iters, args.only, int(bs), backends, not args.no_variants)]
+            for row in run(args.iters, args.only, int(bs), backends, not args.no_variants,
+                           tuple(x for x in args.skip_workloads.split(",") if x))]
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print(f"\n{env}\n| shape | workload | backend | eager us/call | graph us/call | KV GB/s | TFLOP/s |\n"
