@@ -78,3 +78,16 @@ def make_random_batch(lens: list[tuple[int, int]], num_heads: int, num_kv_heads:
                       + [randn(num_pad, num_kv_heads, head_dim)])
     query = randn(meta.num_tokens, num_heads, head_dim)
     return RandomBatch(specs, meta, query, key, value, key_cache, value_cache, full_keys, full_values)
+
+
+def owned_slots(batch: RandomBatch) -> torch.Tensor:
+    """[num_blocks * block_size] bool: the cache slots some sequence of the batch owns (context and new tokens);
+    tests fill the others with NaN to show a kernel never lets what it reads there reach its output."""
+    block_size = batch.key_cache.shape[1]
+    device = batch.key_cache.device
+    owned = torch.zeros(batch.key_cache.shape[0] * block_size, dtype=torch.bool, device=device)
+    for spec in batch.specs:
+        slots = torch.tensor(spec.block_ids, device=device)[:, None] * block_size + torch.arange(block_size,
+                                                                                                 device=device)
+        owned[slots.flatten()[:spec.context_len + spec.query_len]] = True
+    return owned

@@ -12,7 +12,7 @@ import torch
 
 from attention import get_backend
 from attention.base import PAD_SLOT_ID, GraphSupport
-from attention.testing import make_random_batch, random_mixed_lens
+from attention.testing import make_random_batch, owned_slots, random_mixed_lens
 from attention.torch_ref import TorchAttentionImpl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -289,10 +289,7 @@ def test_triton_tma_decode_tiles_match_reference_over_nan_garbage(tiles, head_di
     ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
         batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
     write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
-    owned = torch.zeros(batch.key_cache.shape[0] * 128, dtype=torch.bool, device="cuda")
-    for spec in batch.specs:
-        slots = torch.tensor(spec.block_ids, device="cuda")[:, None] * 128 + torch.arange(128, device="cuda")
-        owned[slots.flatten()[:spec.context_len + spec.query_len]] = True
+    owned = owned_slots(batch)
     for cache in (batch.key_cache, batch.value_cache):
         cache.view(-1, NUM_KV_HEADS, head_dim)[~owned] = float("nan")
     for split_keys in (256, 1024):

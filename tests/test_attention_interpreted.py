@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 INTERPRETED = """
 import random, sys, torch
-from attention.testing import make_random_batch
+from attention.testing import make_random_batch, owned_slots
 from attention.torch_ref import TorchAttentionImpl
 from attention.triton_paged import paged_attention_triton
 
@@ -25,10 +25,7 @@ def case(block_size, tiles, seed):
     b = make_random_batch(lens, 14, 2, 64, block_size, torch.float32, "cpu", seed=seed)
     ref = TorchAttentionImpl(14, 64, 0.125, 2).forward(b.query, b.key, b.value, b.key_cache.clone(),
                                                        b.value_cache.clone(), b.meta)
-    owned = torch.zeros(b.key_cache.shape[0] * block_size, dtype=torch.bool)
-    for spec in b.specs:
-        slots = torch.tensor(spec.block_ids)[:, None] * block_size + torch.arange(block_size)
-        owned[slots.flatten()[:spec.context_len + spec.query_len]] = True
+    owned = owned_slots(b)
     ok = b.meta.slot_mapping >= 0
     for cache, new in ((b.key_cache, b.key), (b.value_cache, b.value)):
         flat = cache.view(-1, 2, 64)
