@@ -255,7 +255,7 @@ class Scheduler:
         for sr in out.scheduled:
             request = sr.request
             if requests.get(request.request_id) is not request:
-                continue  # finished (aborted) since it was scheduled: is_live
+                continue  # finished (aborted) since it was scheduled
             token = None
             if sr.samples:
                 request.num_pending_tokens -= 1
@@ -271,10 +271,6 @@ class Scheduler:
                 self._finish(request, *stop)
             got_token.append(request)
         return got_token
-
-    def is_live(self, request: Request) -> bool:
-        """Not finished (or aborted) since it was scheduled: update() appends its sampled token."""
-        return self.requests.get(request.request_id) is request
 
     def _stop_condition(self, request: Request) -> tuple[FinishReason, int | None] | None:
         params = request.sampling_params
