@@ -76,3 +76,62 @@ def self_check(device: torch.device, dtype: torch.dtype, vocab: int) -> str | No
     except Exception as exc:  # noqa: BLE001 - reported; xgrammar's kernel is kept
         return f"{type(exc).__name__}: {exc}"[:300]
     return None
+
+
+class MaskedArgmaxGraphs:
+    """A constrained step's tail, the masks on its scores then their argmax, replayed as one CUDA graph.
+
+    Through the server at W-B json 100% the engine thread is what sets the pace, and queueing that tail took
+    it 72-370 us a step for the mask kernel and 42-159 us for the argmax (behind a forward, H100 host;
+    benchmarks/sample_issue.py, eleventh session), where one replay queues both. A graph reads fixed
+    addresses, so it is keyed by the scores' (the logits of a decode step: the caching allocator hands the
+    same block to the same shape step after step) and the device mask's (GrammarLink's mirror of one of its
+    two buffers), and captured the `capture_after`-th time a key is seen; at most `limit` graphs, a key
+    beyond them runs eagerly. The tokens a replay leaves are the graph's own tensor: the next replay of the
+    same graph, two steps later (the mask buffers alternate), is queued after their last reader."""
+
+    def __init__(self, capture_after: int = 2, limit: int = 64) -> None:
+        self.capture_after, self.limit = capture_after, limit
+        # key -> (graph, tokens, mask). Not the scores: holding their block would move the next step's logits.
+        # A graph only replays while its key's address holds scores of its shape and dtype again.
+        self.graphs: dict[tuple, tuple] = {}
+        self._seen: dict[tuple, int] = {}
+        self._pool = None
+        self.replays = 0
+
+    def argmax(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax under its mask (row i of `mask` for row i of `scores`); scores are masked in place."""
+        key = (scores.data_ptr(), tuple(scores.shape), scores.dtype, mask.data_ptr(), tuple(mask.shape))
+        entry = self.graphs.get(key)
+        if entry is not None:
+            entry[0].replay()
+            self.replays += 1
+            return entry[1]
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if seen < self.capture_after or len(self.graphs) >= self.limit:
+            return masked_argmax(scores, mask)
+        return self._capture(key, scores, mask)
+
+    def _capture(self, key: tuple, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Run the tail eagerly (this step's tokens; it compiles what capture records), then capture it on a side
+        stream, without torch.cuda.graph's synchronize and empty_cache (the scores' block must stay where it is)."""
+        tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+        masked_argmax(scores, mask, tokens)
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(scores.device)
+        stream.wait_stream(torch.cuda.current_stream(scores.device))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                masked_argmax(scores, mask, tokens)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(scores.device).wait_stream(stream)
+        self._pool = self._pool or graph.pool()
+        self.graphs[key] = (graph, tokens, mask)
+        return tokens
+
+
+def masked_argmax(scores: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_mask over every row in order, then the argmax: what MaskedArgmaxGraphs captures."""
+    apply_mask(scores, mask)
+    return torch.argmax(scores, dim=-1) if out is None else torch.argmax(scores, dim=-1, out=out)

@@ -372,9 +372,8 @@ class ModelRunner:
         sample_start = self.device_clock.mark()
         scores, handle.presampled = handle.presampled, None
         if scores is not None:  # the masks on the scores, then their argmax: the rest was queued before
-            if masks is not None:
-                self.structured.apply(scores, masks)
-            handle.tokens, handle.token_lp = scores.argmax(dim=-1), None
+            tokens = scores.argmax(dim=-1) if masks is None else self.structured.argmax(scores, masks)
+            handle.tokens, handle.token_lp = tokens, None
         else:
             if masks is not None:
                 self.structured.apply(logits, masks)

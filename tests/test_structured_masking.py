@@ -120,3 +120,48 @@ def test_kernel_matches_the_reference_on_cuda(rows, kernel):
     torch.cuda.synchronize()
     assert torch.equal(logits, expected)
     assert masking._own[(logits.device, logits.dtype)] == (kernel == "kvserve")  # the self-check passed
+
+
+def _reference_argmax(scores: torch.Tensor, batch: MaskBatch) -> torch.Tensor:
+    expected = scores.clone()
+    apply_reference(expected, MaskBatch(batch.rows, batch.bitmask.cpu()))
+    return expected.argmax(dim=-1)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5], [4, 1, 3]], ids=["every row", "some, unordered"])
+def test_argmax_under_the_masks_on_the_cpu(rows):
+    """Masking.argmax (what a constrained step's presampled scores go through) picks, in each row, the best token
+    its mask allows; rows without a mask keep their plain argmax."""
+    scores, batch = _case(6, 1000, rows, torch.float32, seed=3)
+    expected, unmasked = _reference_argmax(scores, batch), scores.argmax(dim=-1)
+    assert torch.equal(Masking().argmax(scores, batch), expected)
+    assert not torch.equal(expected, unmasked)  # the masks changed some choice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_argmax_graphs_match_the_reference_on_cuda(graphs):
+    """The served shape (256 rows of 151,936 bfloat16 scores) through GrammarLink's layout: two page-locked host
+    buffers used in turn, each with a device mirror. Eight steps, new scores (same block) and new masks each:
+    every step's tokens equal the reference's; with graphs, each buffer's key is captured at its second step
+    and replayed at its third and fourth. Some rows constrained: apply() and an argmax, the same tokens."""
+    rows, vocab, words = 256, 151936, (151936 + 31) // 32
+    host = torch.empty((2, rows, words), dtype=torch.int32).pin_memory()
+    mirror = torch.empty((2, rows, words), dtype=torch.int32, device="cuda")
+    scores = torch.empty((rows, vocab), dtype=torch.bfloat16, device="cuda")
+    masking = Masking(argmax_graphs=graphs)
+    for step in range(8):
+        fresh, batch = _case(rows, vocab, list(range(rows)), torch.bfloat16, seed=100 + step)
+        host[step % 2].copy_(batch.bitmask)
+        scores.copy_(fresh)
+        batch = MaskBatch(batch.rows, host[step % 2], mirror[step % 2])
+        expected = _reference_argmax(fresh, batch)
+        got = masking.argmax(scores, batch).cpu()
+        assert torch.equal(got, expected), step
+    if graphs:
+        assert len(masking.argmax_graphs.graphs) == 2 and masking.argmax_graphs.replays == 4
+    some = MaskBatch(list(range(0, rows, 3)), host[0, :len(range(0, rows, 3))], mirror[0, :len(range(0, rows, 3))])
+    fresh = torch.randn(rows, vocab).to(torch.bfloat16)
+    scores.copy_(fresh)
+    assert torch.equal(masking.argmax(scores, some).cpu(), _reference_argmax(fresh, some))
