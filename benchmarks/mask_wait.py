@@ -62,7 +62,6 @@ def instrument(llm: LLM) -> Timers:
     engine = llm.engine
     timers.wrap(engine.structured, "fill", "fill")
     timers.wrap(engine.structured, "apply", "apply")
-    timers.wrap(engine.structured, "argmax", "apply")  # a presampled step's masks and its argmax
     timers.wrap(engine.runner, "prepare", "launch")  # a step's two halves
     timers.wrap(engine.runner, "enqueue", "launch")
     step = engine.step

@@ -36,7 +36,6 @@ from engine.structured import StructuredOutputs  # noqa: E402
 SECTIONS = [("scheduler", "schedule", "schedule"), ("runner", "prepare", "prepare"), ("runner", "enqueue", "enqueue"),
             ("runner", "collect", "collect"), ("", "_postprocess", "postprocess"),
             ("runner", "sample", "sample (waits for masks)"), ("runner.structured", "apply", "apply masks"),
-            ("runner.structured", "argmax", "apply masks"),  # a presampled step's masks and its argmax
             ("", "_advance_grammars", "consume"),
             ("runner.structured", "_fill_rows", "fill (mask thread)"),
             ("runner.structured", "start_fill", "send step (grammar process)")]
