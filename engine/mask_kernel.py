@@ -21,7 +21,6 @@ except ImportError:  # CPU-only installs
     triton = None
 
 BLOCK = 2048  # tokens a program masks: 64 mask words
-SEEN_KEYS = 4096  # MaskedArgmaxGraphs' count of keys not yet captured
 
 
 if triton is not None:
@@ -108,8 +107,6 @@ class MaskedArgmaxGraphs:
             entry[0].replay()
             self.replays += 1
             return entry[1]
-        if len(self._seen) >= SEEN_KEYS:  # addresses come and go over a server's life: forget, do not grow
-            self._seen.clear()
         seen = self._seen[key] = self._seen.get(key, 0) + 1
         if seen < self.capture_after or len(self.graphs) >= self.limit:
             return masked_argmax(scores, mask)
