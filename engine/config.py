@@ -78,9 +78,6 @@ class EngineConfig:
     # How long the engine thread polls for a step's grammar masks before it blocks, in ms. None: 3 on hosts of 8
     # usable cores or more, else 0 (engine/grammar_link.py SPIN_S).
     structured_outputs_spin_ms: float | None = None
-    # A step whose every row is constrained gets its masks and argmax from one CUDA graph replay, not two
-    # launches (engine/mask_kernel.py MaskedArgmaxGraphs); with the grammar process on CUDA only.
-    structured_outputs_argmax_graphs: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

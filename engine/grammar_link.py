@@ -122,13 +122,10 @@ class GrammarLink:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, limits: GrammarLimits, backend: str,
                  max_rows: int, processes: int = 1, spin_s: float | None = None,
-                 fill_threads: int | None = None, device: torch.device | None = None,
-                 argmax_graphs: bool = False) -> None:
+                 fill_threads: int | None = None) -> None:
         """spin_s: how long the engine thread polls for a step's answer before it blocks (None: SPIN_S on a host
         of SPIN_MIN_CORES usable cores or more, else 0). fill_threads: xgrammar's fill threads in each process
-        (None: half the usable cores shared among the processes; with one process, xgrammar's own default).
-        device: a CUDA device gets a mirror of the mask buffers, which the masks are copied into (and which
-        argmax_graphs' CUDA graphs read: engine/mask_kernel.py MaskedArgmaxGraphs)."""
+        (None: half the usable cores shared among the processes; with one process, xgrammar's own default)."""
         from engine.grammar_xgr import available as xgrammar_available
 
         self.args = (hf_tokenizer, vocab_size, eos_ids, limits, backend)  # StructuredOutputs' (the fallback)
@@ -143,9 +140,7 @@ class GrammarLink:
         os.ftruncate(self._mask_file.fileno(), nbytes)
         self.masks = mask_buffers(self._mask_file.fileno(), max_rows, self.words)
         self._pinned = _pin(self.masks)
-        self._mirror = None if device is None or device.type != "cuda" else torch.empty(
-            self.masks.shape, dtype=torch.int32, device=device)
-        self._masking = Masking(argmax_graphs)
+        self._masking = Masking()
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[StructuredOutput], compiled in the workers
         self._keys, self._gids, self._seqs = itertools.count(), itertools.count(), itertools.count()
         self._buffer = 0
@@ -254,8 +249,7 @@ class GrammarLink:
             times.append(_worker_times(filled, sent_at, waiting_from))
         for name, seconds in zip(WORKER_TIMES, map(max, zip(*times))):
             self.worker_s[name] += seconds
-        mirror = None if self._mirror is None else self._mirror[pending.buffer, :len(pending.rows)]
-        return MaskBatch(pending.rows, rows, mirror)
+        return MaskBatch(pending.rows, rows)
 
     def _receive(self, worker: GrammarProcess, seq: int) -> Filled | None:
         """The worker's Filled with this seq, or None if the worker is gone (or was replaced)."""
@@ -273,9 +267,6 @@ class GrammarLink:
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         self._masking.apply(logits, batch)
-
-    def argmax(self, scores: torch.Tensor, batch: MaskBatch) -> torch.Tensor:
-        return self._masking.argmax(scores, batch)
 
     # ---- the workers' lives ----------------------------------------------------------------------
     def _check_workers(self) -> None:

@@ -372,8 +372,9 @@ class ModelRunner:
         sample_start = self.device_clock.mark()
         scores, handle.presampled = handle.presampled, None
         if scores is not None:  # the masks on the scores, then their argmax: the rest was queued before
-            tokens = scores.argmax(dim=-1) if masks is None else self.structured.argmax(scores, masks)
-            handle.tokens, handle.token_lp = tokens, None
+            if masks is not None:
+                self.structured.apply(scores, masks)
+            handle.tokens, handle.token_lp = scores.argmax(dim=-1), None
         else:
             if masks is not None:
                 self.structured.apply(logits, masks)

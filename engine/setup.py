@@ -72,8 +72,7 @@ def structured_outputs(config: EngineConfig, tokenizer, vocab_size: int, eos_tok
             spin_ms = config.structured_outputs_spin_ms
             return GrammarLink(*args, config.max_num_seqs, grammar_processes(config),
                                spin_s=None if spin_ms is None else spin_ms / 1000,
-                               fill_threads=config.structured_outputs_fill_threads, device=device,
-                               argmax_graphs=config.structured_outputs_argmax_graphs)
+                               fill_threads=config.structured_outputs_fill_threads)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that does not pickle
             logger.warning("no grammar process (%s): grammar matchers run in the engine's process", exc)
     structured = StructuredOutputs(*args)

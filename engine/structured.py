@@ -52,8 +52,6 @@ class Grammar:
 class MaskBatch:
     rows: list[int]  # the rows of the step's sampled logits that are constrained
     bitmask: torch.Tensor  # [len(rows), words] int32 on the host: bit j of word w allows token 32 * w + j
-    # Where on the device the bitmask is copied (GrammarLink's mirror of its buffer), else a new tensor.
-    device_rows: torch.Tensor | None = None
 
 
 class StructuredOutputs:
@@ -179,9 +177,6 @@ class StructuredOutputs:
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         self._masking.apply(logits, batch)
 
-    def argmax(self, scores: torch.Tensor, batch: MaskBatch) -> torch.Tensor:
-        return self._masking.argmax(scores, batch)
-
     def shutdown(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
         if self._fills is not None:
@@ -209,20 +204,17 @@ class Masking:
     writes -inf where banned; on the 2-core CPU it took 41-49 ms against xgrammar's 16-17 ms at 64 rows of
     49,152. tests/test_structured_masking.py checks both against apply_reference on random masks."""
 
-    def __init__(self, argmax_graphs: bool = False) -> None:
-        """argmax_graphs: argmax() of a step whose every row is constrained replays a CUDA graph
-        (mask_kernel.MaskedArgmaxGraphs) where it has the masks' device mirror (GrammarLink's)."""
+    def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._kernel = _xgrammar_kernel()
         self._own: dict[tuple[torch.device, torch.dtype], bool] = {}  # mask_kernel passed its self-check there
-        self.argmax_graphs = mask_kernel.MaskedArgmaxGraphs() if argmax_graphs else None
 
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
         if logits.is_cuda and self._use_own(logits):
-            rows = None if _in_order(batch, logits) else self._to_device(_index(batch.rows, logits.device),
-                                                                         logits.device)
-            mask_kernel.apply_mask(logits, self._mask_on(batch, logits.device), rows)
+            in_order = len(batch.rows) == logits.shape[0] and batch.rows == list(range(len(batch.rows)))  # ~2 us
+            rows = None if in_order else self._to_device(_index(batch.rows, logits.device), logits.device)
+            mask_kernel.apply_mask(logits, self._to_device(batch.bitmask, logits.device), rows)
             return
         if self._kernel is None:
             apply_reference(logits, batch)
@@ -233,17 +225,6 @@ class Masking:
             full[self._to_device(_index(batch.rows, logits.device), logits.device)] = mask
             mask = full
         self._kernel(logits, mask, vocab_size=min(logits.shape[1], mask.shape[1] * 32))
-
-    def argmax(self, scores: torch.Tensor, batch: MaskBatch) -> torch.Tensor:
-        """Each row's argmax once the batch's masks are on its scores (in place): one graph replay where every row
-        is constrained, in order, and the masks have a device mirror; else apply() and an argmax."""
-        if scores.is_cuda and batch.device_rows is not None and _in_order(batch, scores) and self._use_own(scores):
-            mask = self._mask_on(batch, scores.device)
-            if self.argmax_graphs is not None:
-                return self.argmax_graphs.argmax(scores, mask)
-            return mask_kernel.masked_argmax(scores, mask)
-        self.apply(scores, batch)
-        return scores.argmax(dim=-1)
 
     def _use_own(self, logits: torch.Tensor) -> bool:
         """Whether engine/mask_kernel.py runs on this device and dtype: checked against the reference once."""
@@ -259,39 +240,18 @@ class Masking:
                                logits.dtype, why)
         return self._own[key]
 
-    def _mask_on(self, batch: MaskBatch, device: torch.device) -> torch.Tensor:
-        """The batch's bitmask on `device`: copied into its mirror (on the side stream, which the current stream
-        then waits for) where it has one, else into a new tensor. The mirror of a buffer is rewritten two steps
-        later, by when its last reader ran (GrammarLink alternates two buffers; MASK_BUFFERS says why)."""
-        if batch.device_rows is None:
-            return self._to_device(batch.bitmask, device)
-        stream = self._side_stream(device)
-        with torch.cuda.stream(stream):
-            batch.device_rows.copy_(batch.bitmask, non_blocking=True)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        return batch.device_rows
-
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
-        return stream
-
     def _to_device(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The host mask on `device`; on CUDA copied on the side stream, which the current stream waits for."""
         if device.type != "cuda":
             return bitmask
-        stream, current = self._side_stream(device), torch.cuda.current_stream(device)
+        stream, current = self._streams.get(device), torch.cuda.current_stream(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):
             mask = bitmask.to(device, non_blocking=True)
         current.wait_stream(stream)
         mask.record_stream(current)  # not reused by the side stream's pool before the current one used it
         return mask
-
-
-def _in_order(batch: MaskBatch, logits: torch.Tensor) -> bool:
-    """Whether the batch constrains every row of the logits, mask row i for logits row i (~2 us at 256 rows)."""
-    return len(batch.rows) == logits.shape[0] and batch.rows == list(range(len(batch.rows)))
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:

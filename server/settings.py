@@ -158,8 +158,6 @@ ENGINE_HELP = {
                                        "(default: half the host's cores shared among the processes)",
     "structured_outputs_spin_ms": "structured outputs: how long the engine polls for a step's grammar masks before "
                                   "it blocks, in ms (default: 3 on hosts of 8 or more cores, else 0)",
-    "structured_outputs_argmax_graphs": "structured outputs: a step whose every row is constrained masks its scores "
-                                        "and takes their argmax in one CUDA graph replay (grammar process, CUDA)",
 }
 
 SERVER_HELP = {

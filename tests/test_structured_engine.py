@@ -254,12 +254,6 @@ def test_no_matcher_is_made_while_the_mask_thread_works(tiny_model_dir):
     assert eng.scheduler.stats().num_blocks_used == 0
 
 
-def _bypass_masks(patch, structured) -> None:
-    """Masks that are not applied (a bug's stand-in): neither apply() nor the masked argmax uses them."""
-    patch.setattr(structured, "apply", lambda logits, batch: None)
-    patch.setattr(structured, "argmax", lambda scores, batch: scores.argmax(dim=-1))
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_refused_token_ends_the_request_with_an_error(llm, async_scheduling, monkeypatch):
     """A mask that is not applied (a bug's stand-in) lets the model pick a token the grammar refuses: that
@@ -267,7 +261,7 @@ def test_a_refused_token_ends_the_request_with_an_error(llm, async_scheduling, m
     eng, tok = llm.engine, llm.get_tokenizer()
     with monkeypatch.context() as bypass:
         bypass.setattr(eng, "async_scheduling", async_scheduling)
-        _bypass_masks(bypass, eng.structured)
+        bypass.setattr(eng.structured, "apply", lambda logits, batch: None)
         finished = {}
         for i, prompt in enumerate(PROMPTS[:2]):
             eng.add_request(f"bypassed-{i}", tok.encode(prompt), json_params())
@@ -282,7 +276,7 @@ def test_a_refused_token_ends_the_request_with_an_error(llm, async_scheduling, m
 def test_offline_outputs_say_why_a_request_failed(llm, monkeypatch):
     """LLM.generate: a request that ends with an error carries the message and code, not just "error"."""
     with monkeypatch.context() as bypass:
-        _bypass_masks(bypass, llm.engine.structured)
+        bypass.setattr(llm.engine.structured, "apply", lambda logits, batch: None)  # the mask bypassed
         out = llm.generate(PROMPTS[2], json_params())[0].outputs[0]
     assert out.finish_reason == "error" and out.error_code == "invalid_grammar"
     assert "cannot follow the request's constraint" in out.error
