@@ -2,6 +2,11 @@
 transformers' own modules (CPU)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +14,7 @@ from engine.kernels import (add_rms_norm, add_rms_norm_ref, pack_weight_for_cpu,
                             rope_ref, silu_and_mul, silu_and_mul_ref)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _cos_sin_cache(head_dim: int, max_pos: int = 4096, theta: float = 10000.0) -> torch.Tensor:
@@ -69,10 +75,11 @@ def test_references_match_transformers():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("hidden", (64, 896, 4096))
-def test_add_rms_norm_kernel(dtype, hidden):
+@pytest.mark.parametrize("tokens", (37, 2051), ids=("a row a program", "NORM_ROWS a program"))
+def test_add_rms_norm_kernel(dtype, hidden, tokens):
     torch.manual_seed(0)
-    x = torch.randn(37, hidden, device="cuda", dtype=dtype)
-    res = torch.randn(37, hidden, device="cuda", dtype=dtype)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    res = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     w = torch.randn(hidden, device="cuda", dtype=dtype)
     for r in (None, res):
         out, new_res = add_rms_norm(x, r, w, 1e-6)
@@ -113,3 +120,41 @@ def test_silu_and_mul_kernel(dtype, inter):
     gate_up = torch.randn(33, 2 * inter, device="cuda", dtype=dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_ref(gate_up), rtol=tol, atol=tol)
+
+
+INTERPRETED_NORM = """
+import torch, triton
+from engine import kernels
+from engine.kernels import add_rms_norm_ref
+gen = torch.Generator().manual_seed(2)
+for tokens, hidden, dtype, rows in [(37, 896, torch.bfloat16, 4), (10, 64, torch.float32, 8), (9, 100, torch.bfloat16, 4)]:
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    res = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w = torch.randn(hidden, generator=gen).to(dtype)
+    for r in (None, res):
+        outs = []
+        for kernel, grid, extra in ((kernels._add_rms_norm_kernel, (tokens,), {}),
+                                    (kernels._add_rms_norm_rows_kernel, (triton.cdiv(tokens, rows),), {"ROWS": rows})):
+            out, new_res = torch.full_like(x, float("nan")), (x if r is None else torch.full_like(x, float("nan")))
+            args = [x, x if r is None else r, w, out, new_res, hidden, 1e-6] + ([tokens] if extra else [])
+            kernel[grid](*args, HAS_RESIDUAL=r is not None, BLOCK=triton.next_power_of_2(hidden), **extra)
+            outs.append((out, new_res))
+        ref_out, ref_res = add_rms_norm_ref(x, r, w, 1e-6)
+        (one, one_res), (many, many_res) = outs
+        assert torch.equal(many_res, ref_res) and torch.equal(one_res, ref_res), (tokens, hidden, dtype)
+        assert torch.equal(many, one), (tokens, hidden, dtype)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(many, ref_out, rtol=tol, atol=tol)
+print("equal")
+"""
+
+
+def test_norm_over_several_rows_a_program_through_tritons_interpreter():
+    """The prefill's norm (NORM_ROWS rows a program) on CPU tensors under TRITON_INTERPRET=1, outputs first filled
+    with NaN: bit for bit the one-row kernel's, the residual exactly the reference's, the norm within the
+    reference's rounding; row counts that leave the last program short, hidden sizes below a power of two."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_NORM], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "equal", done.stderr[-2000:]
