@@ -14,7 +14,7 @@ pip install --target /tmp/vllm-site --no-deps -q .carry/vllm-extra/*.whl 2>&1 | 
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_structured_masking.py tests/test_sampler.py > "$out/tests.log" 2>&1
 tail -1 "$out/tests.log"
 deadline="${DEADLINE_S:-470}"
-timeout $((deadline + 15)) python3 benchmarks/online_pair.py --repeat "${REPEAT:-5}" --py-spy --out "$out/pair.json" \
+timeout $((deadline + 15)) python3 benchmarks/online_pair.py --repeat "${REPEAT:-5}" --py-spy --kvserve-args="${KVSERVE_ARGS:-}" --out "$out/pair.json" \
   --raw-dir "$out/raw" --deadline-s "$deadline" > "$out/pair.log" 2>&1
 grep -E "^\| (W-B|TTFT|load|prompt)|target|vLLM: (up|did)" "$out/pair.log"
 python3 - "$out/pair.json" <<'PY'
