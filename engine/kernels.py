@@ -55,9 +55,11 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- dispatch
 
 
-# Rows of a long batch (a prefill's) that one program of the norm takes: a program per row is latency-bound
-# (one ~2 KB row in, one out). NORM_ROWS_FROM: below that many tokens (decode steps) a program per row.
-NORM_ROWS = 4
+# Rows of a long batch (a prefill's) that one program of the norm takes: a program per row may be latency-bound
+# at a prefill's 16,384 rows (one ~2 KB row in, one out). 1 until timed on a GPU (benchmarks/norm_rows.py,
+# docs/results/2026-12-06-s14/c.sh): the several-row kernel is checked, not measured. NORM_ROWS_FROM: below that
+# many tokens (decode steps) always a program per row.
+NORM_ROWS = 1
 NORM_ROWS_FROM = 1024
 
 

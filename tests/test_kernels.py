@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import kernels
 from engine.kernels import (add_rms_norm, add_rms_norm_ref, pack_weight_for_cpu, packed_linear, packed_rows, rope_,
                             rope_ref, silu_and_mul, silu_and_mul_ref)
 
@@ -75,8 +76,10 @@ def test_references_match_transformers():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("hidden", (64, 896, 4096))
-@pytest.mark.parametrize("tokens", (37, 2051), ids=("a row a program", "NORM_ROWS a program"))
-def test_add_rms_norm_kernel(dtype, hidden, tokens):
+@pytest.mark.parametrize("tokens,rows", ((37, 4), (2051, 1), (2051, 4)),
+                         ids=("decode: a row a program", "prefill, a row a program", "prefill, 4 rows a program"))
+def test_add_rms_norm_kernel(dtype, hidden, tokens, rows, monkeypatch):
+    monkeypatch.setattr(kernels, "NORM_ROWS", rows)
     torch.manual_seed(0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     res = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
