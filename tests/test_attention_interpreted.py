@@ -4,14 +4,10 @@ PyTorch reference, with NaN in every cache slot no sequence owns (a TMA tile pas
 them), over 128-token pages and 64-token ones, split-KV ranges on and off."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from interpreted import run_interpreted
+
 
 INTERPRETED = """
 import random, sys, torch
@@ -48,9 +44,7 @@ sys.exit(0 if max(errors) < 1e-5 else 1)
 
 def test_decode_kernels_match_the_reference_through_tritons_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = run_interpreted(INTERPRETED)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 

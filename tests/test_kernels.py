@@ -2,20 +2,15 @@
 transformers' own modules (CPU)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine import kernels
 from engine.kernels import (add_rms_norm, add_rms_norm_ref, pack_weight_for_cpu, packed_linear, packed_rows, rope_,
                             rope_ref, silu_and_mul, silu_and_mul_ref)
+from interpreted import run_interpreted
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _cos_sin_cache(head_dim: int, max_pos: int = 4096, theta: float = 10000.0) -> torch.Tensor:
@@ -157,7 +152,5 @@ def test_norm_over_several_rows_a_program_through_tritons_interpreter():
     with NaN: bit for bit the one-row kernel's, the residual exactly the reference's, the norm within the
     reference's rounding; row counts that leave the last program short, hidden sizes below a power of two."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED_NORM], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = run_interpreted(INTERPRETED_NORM)
     assert done.returncode == 0 and done.stdout.strip() == "equal", done.stderr[-2000:]

@@ -4,11 +4,6 @@
 a mask word; on CUDA the mask's side-stream copy too."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,9 +11,9 @@ from engine import mask_kernel
 
 from engine.grammar_xgr import available as xgrammar_available
 from engine.structured import Masking, MaskBatch, apply_reference
+from interpreted import run_interpreted
 
 needs_xgrammar = pytest.mark.skipif(not xgrammar_available(), reason="xgrammar is not installed")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _case(batch: int, vocab: int, rows: list[int], dtype: torch.dtype, seed: int):
@@ -81,9 +76,7 @@ print("equal")
 def test_kvserve_kernel_matches_the_reference_through_tritons_interpreter():
     """engine/mask_kernel.py on CPU tensors under TRITON_INTERPRET=1 (set before triton decorates the kernel,
     so in a process of its own): every row, some rows out of order, a vocabulary ending inside a mask word."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = run_interpreted(INTERPRETED)
     assert done.returncode == 0 and done.stdout.strip() == "equal", done.stderr[-2000:]
 
 

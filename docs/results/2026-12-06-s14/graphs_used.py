@@ -1,7 +1,8 @@
 """Fourteenth session: whether MaskedArgmaxGraphs replays at all under W-B json 100% offline (the server A/B showed
 no host saving). The engine on the Qwen2.5-0.5B shape, grammar process on, 256 constrained greedy requests of
 128 tokens, three times: out tok/s, and with graphs the captures and replays. One setting a process:
-    python3 docs/results/2026-12-06-s14/graphs_used.py 0; python3 docs/results/2026-12-06-s14/graphs_used.py 1"""
+    python3 docs/results/2026-12-06-s14/graphs_used.py 0; python3 docs/results/2026-12-06-s14/graphs_used.py 1
+Runs at 49cb94a: the argmax graphs were reverted in d368efd."""
 import json
 import sys
 import tempfile
