@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Fourteenth session, call A (gpu-1, gpu-2 staged; carrying .carry/gpu-3 and .carry/extra): the masked argmax as
-# Runs at 49cb94a (the flag it compares was reverted in d368efd).
 # one CUDA graph (engine/mask_kernel.py MaskedArgmaxGraphs) checked against the reference, then the pair without
 # vLLM, W-B greedy, servers interleaved: the defaults, then --structured-outputs-argmax-graphs, then each again
 # (s10/c.sh's runs, 4 repetitions each within DEADLINE_S; servers as NAME=FLAGS arguments, by default these four; the engine's host sections per load from s11/a.sh).
 #   bash .carry/gpu-3/stage.sh >/dev/null && export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages \
 #     && DEADLINE_S=110 bash docs/results/2026-12-06-s14/a.sh
+# Runs at 49cb94a (the flag it compares was reverted in d368efd).
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
 lscpu | grep -E "^(CPU\(s\)|Model name|Thread\(s\)|Core\(s\)|Socket\(s\))" | tee "$out/lscpu.txt"
