@@ -55,14 +55,6 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- dispatch
 
 
-# Rows of a long batch (a prefill's) that one program of the norm takes: a program per row may be latency-bound
-# at a prefill's 16,384 rows (one ~2 KB row in, one out). 1 until timed on a GPU (benchmarks/norm_rows.py,
-# docs/results/2026-12-06-s14/c.sh): the several-row kernel is checked, not measured. NORM_ROWS_FROM: below that
-# many tokens (decode steps) always a program per row.
-NORM_ROWS = 1
-NORM_ROWS_FROM = 1024
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     if not _use_triton(x):
@@ -72,13 +64,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     new_residual = x if residual is None else torch.empty_like(x)
     res = x if residual is None else residual.contiguous()
-    args = (x, res, weight, out, new_residual, hidden, eps)
-    block = triton.next_power_of_2(hidden)
-    if num_tokens < NORM_ROWS_FROM or NORM_ROWS == 1:
-        _add_rms_norm_kernel[(num_tokens,)](*args, HAS_RESIDUAL=residual is not None, BLOCK=block)
-    else:
-        _add_rms_norm_rows_kernel[(triton.cdiv(num_tokens, NORM_ROWS),)](
-            *args, num_tokens, HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=NORM_ROWS)
+    _add_rms_norm_kernel[(num_tokens,)](x, res, weight, out, new_residual, hidden, eps,
+                                        HAS_RESIDUAL=residual is not None,
+                                        BLOCK=triton.next_power_of_2(hidden))
     return out, new_residual
 
 
@@ -179,25 +167,6 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         out = _round_to(w * normed, out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _add_rms_norm_rows_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps, num_tokens,
-                                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-        """_add_rms_norm_kernel over ROWS rows a program, the same rounding."""
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
-        mask = (rows < num_tokens)[:, None] & (cols < hidden)[None, :]
-        offs = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
-        xf = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            xf = _round_to(xf + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32),
-                           new_res_ptr.dtype.element_ty)
-            tl.store(new_res_ptr + offs, xf.to(new_res_ptr.dtype.element_ty), mask=mask)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / hidden + eps)
-        normed = _round_to(xf * rstd[:, None], out_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)[None, :]
-        out = _round_to(w * normed, out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
