@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_split import keys_per_split, store_partial
+from attention.triton_split import keys_per_split, online_softmax, store_partial
 
 
 def tma_decode_fits(head_dim: int, page_size: int, block_n: int) -> bool:
@@ -52,10 +52,7 @@ def _tma_tile(q, acc, m_i, l_i, k_desc, v_desc, bt_row, start, kv_hi, col, qk_sc
     if MASKED:
         n_ok = start + tl.arange(0, BLOCK_N) < kv_hi
         s = tl.where(n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
     v = v_desc.load([row0, col])  # [BLOCK_N, HEAD_DIM]
     if MASKED:
         v = tl.where(n_ok[:, None], v, 0.0)

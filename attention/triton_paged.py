@@ -31,7 +31,7 @@ import triton.language as tl
 
 from attention.base import AttentionBackend, AttentionImpl, AttentionMetadata, GraphSupport
 from attention.triton_decode_tma import decode_tma, tma_decode_available, tma_decode_fits
-from attention.triton_split import keys_per_split, store_partial
+from attention.triton_split import keys_per_split, online_softmax, store_partial
 
 _LOG2E = 1.4426950408889634
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
@@ -113,10 +113,7 @@ def _attend_tile(q, acc, m_i, l_i, k_base, v_base, bt_row, start, kv_hi, q_pos, 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
     v = tl.load(v_base + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_P]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -1,7 +1,8 @@
-"""Our Triton decode kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before triton
+"""Our Triton attention kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1, set before triton
 decorates a kernel, so in a process of its own): the TMA decode kernel and the pointer kernel against the
 PyTorch reference, with NaN in every cache slot no sequence owns (a TMA tile past a sequence's end reads
-them), over 128-token pages and 64-token ones, split-KV ranges on and off."""
+them), over 128-token pages and 64-token ones, split-KV ranges on and off; and the pointer kernel over a
+batch of chunked prefills (over cached context and without) before decodes, as the engine flattens them."""
 from __future__ import annotations
 
 import pytest
@@ -45,6 +46,34 @@ sys.exit(0 if max(errors) < 1e-5 else 1)
 def test_decode_kernels_match_the_reference_through_tritons_interpreter():
     pytest.importorskip("triton")
     done = run_interpreted(INTERPRETED)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+INTERPRETED_MIXED = """
+import sys, torch
+from attention.testing import make_random_batch
+from attention.torch_ref import TorchAttentionImpl
+from attention.triton_paged import paged_attention_triton
+
+lens = [(0, 37), (45, 19), (130, 3), (70, 1), (0, 1), (200, 1)]  # (cached context, new tokens): prefills first
+errors = []
+for seed, block_size in ((3, 16), (4, 64)):
+    b = make_random_batch(lens, 14, 2, 64, block_size, torch.float32, "cpu", seed=seed)
+    ref = TorchAttentionImpl(14, 64, 0.125, 2).forward(b.query, b.key, b.value, b.key_cache.clone(),
+                                                       b.value_cache.clone(), b.meta)
+    ok = b.meta.slot_mapping >= 0
+    for cache, new in ((b.key_cache, b.key), (b.value_cache, b.value)):  # the new tokens' K/V, as the layer writes them
+        cache.view(-1, 2, 64)[b.meta.slot_mapping[ok]] = new[ok]
+    out = paged_attention_triton(b.query, b.key_cache, b.value_cache, b.meta, 0.125, sm_count=132)
+    errors.append(((out - ref).norm() / ref.norm()).item())
+print("max relative error", max(errors))
+sys.exit(0 if max(errors) < 1e-5 else 1)
+"""
+
+
+def test_chunked_prefills_and_decodes_match_the_reference_through_tritons_interpreter():
+    pytest.importorskip("triton")
+    done = run_interpreted(INTERPRETED_MIXED)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
