@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fourteenth session, call C (gpu-1, gpu-2 staged; carrying .carry/gpu-3 and .carry/extra): the prefill's norm over
 # several rows a program (engine/kernels.py NORM_ROWS): the kernels' GPU tests, the norm alone by rows a program
-# (benchmarks/norm_rows.py), then W-L end to end with NORM_ROWS 4, then 1 (WL_ROWS). Not run: no device time was left (Owed 2).
+# (benchmarks/norm_rows.py), then W-L end to end with NORM_ROWS 4, then 1 (WL_ROWS). Ran in the fifteenth session at e82ab26 (raw: ../2026-12-06-s15/a/): no gain, the rows kernel removed after; runs only at that commit.
 #   bash .carry/gpu-3/stage.sh >/dev/null && export PYTHONPATH=.:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages \
 #     && bash docs/results/2026-12-06-s14/c.sh
 set -u

@@ -1,5 +1,6 @@
 """W-L through `kvserve bench throughput` with engine/kernels.py NORM_ROWS set first (rows a program of the
-prefill's norm): python3 docs/results/2026-12-06-s14/wl_norm_rows.py ROWS OUT_JSON"""
+prefill's norm): python3 docs/results/2026-12-06-s14/wl_norm_rows.py ROWS OUT_JSON
+Runs only at e82ab26 or before: the rows kernel was removed in the fifteenth session (no gain)."""
 import sys
 
 sys.path.insert(0, ".")
