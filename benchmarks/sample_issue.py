@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from engine.grammar_link import _pin  # noqa: E402
-from engine.grammar_worker import mask_buffers  # noqa: E402
+from engine.grammar_worker import mask_buffers, mask_file_words  # noqa: E402
 from engine.structured import Masking, MaskBatch, apply_reference  # noqa: E402
 
 ROWS, VOCAB = 256, 151_936
@@ -36,8 +36,8 @@ ROWS, VOCAB = 256, 151_936
 def shared_mask(words: int) -> torch.Tensor:
     """A page-locked mapping of a shared file, as GrammarLink holds the grammar processes' masks."""
     f = tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    os.ftruncate(f.fileno(), 2 * ROWS * words * 4)
-    masks = mask_buffers(f.fileno(), ROWS, words)
+    os.ftruncate(f.fileno(), mask_file_words(ROWS, words) * 4)
+    masks, _ = mask_buffers(f.fileno(), ROWS, words)
     assert _pin(masks), "cudaHostRegister failed"
     return masks[0]
 

@@ -9,6 +9,7 @@ from engine import grammar_xgr
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton", "flash-attn", "flash-attn-4", "triton+flash-attn-4")
+STRUCTURED_WAITS = ("auto", "device", "pipeline", "step")
 # Grammar engines for structured outputs' masks (engine/grammar_xgr.py); vLLM's names.
 GRAMMAR_BACKENDS = ("auto", "xgrammar", "guidance")
 
@@ -63,9 +64,11 @@ class EngineConfig:
     grammar_compile_fuel: int = 1_000_000
     # auto: xgrammar's masks for JSON schemas and regexes when it is installed, llguidance's for the rest.
     structured_outputs_backend: str = "auto"
-    # A constrained step is sampled after the step behind it is scheduled and staged, so its masks fill while
-    # the engine does that (engine.LLMEngine._step_behind_masks); False: sampled in the step() that launched it.
-    structured_outputs_pipeline: bool = True
+    # Who waits for a constrained step's grammar masks (STRUCTURED_WAITS): "device": the engine queues the step
+    # whole and the device waits for the masks (engine/mask_gate.py: CUDA, grammar process); "pipeline": the
+    # host samples it once the step behind it is scheduled and staged (engine.LLMEngine._step_behind_masks);
+    # "step": the host samples it in the step() that launched it; "auto": device where it can, else pipeline.
+    structured_outputs_wait: str = "auto"
     # The matchers in a grammar process of their own (engine/grammar_worker.py), off the engine's GIL.
     # None: on CUDA only (on a 2-core machine the process shares the cores the engine needs).
     structured_outputs_process: bool | None = None
@@ -84,6 +87,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.structured_outputs_wait in STRUCTURED_WAITS,
+             f"structured_outputs_wait must be one of {STRUCTURED_WAITS}, got {self.structured_outputs_wait!r}")
         need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         need(self.attention_backend in BACKENDS,
              f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")

@@ -84,9 +84,10 @@ class LLMEngine:
                                  else config.async_scheduling)
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None  # launched, not yet collected
         self._unsampled: tuple[SchedulerOutput, StepHandle] | None = None  # launched, waiting for its masks
-        self.pipeline_masks = config.structured_outputs_pipeline  # _step_behind_masks (read every step)
         self.structured = None if self.structured is None else structured_outputs_ready(self.structured)
-        self.runner.use_structured(self.structured)
+        self.runner.use_structured(self.structured, config.structured_outputs_wait)
+        # _step_behind_masks (read every step): the host waits for the masks, behind the next step's staging.
+        self.pipeline_masks = self.runner.mask_gate is None and config.structured_outputs_wait != "step"
         self._grammars = GrammarAdmission(self.structured, self.scheduler)  # structured requests, compiling
         self._log_start()
 
@@ -181,6 +182,8 @@ class LLMEngine:
             behind = launched[1] if launched is not None and not self._pipelined() else None
             outputs += self._finish(self._inflight, behind)
             self._inflight = None
+        if launched is not None and self.runner.mask_gate is not None:  # its masks, if not asked for yet: every
+            self.runner.start_masks(launched[1])  # token before them is consumed (the device waits for them)
         if launched is not None and launched[1].logits is not None:  # rows under a grammar
             if self._pipelined():  # sampled at the next call, once the step after it is prepared
                 self._unsampled = launched

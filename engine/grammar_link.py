@@ -41,7 +41,8 @@ from engine.grammar import LRU, GrammarLimits
 from engine.grammar_messages import Compile, Filled, NewMatcher, Step
 from engine.grammar_process import (LOST, POLL_MS, READY_TIMEOUT_S, GrammarProcess, GrammarProcessError,  # noqa: F401
                                     kill_all)
-from engine.grammar_worker import MASK_BUFFERS, OTHERS, WorkerSpec, mask_buffers
+from engine.grammar_worker import FLAGS, MASK_BUFFERS, OTHERS, WorkerSpec, mask_buffers, mask_file_words
+from engine.mask_gate import RELEASED
 from engine.request import Request, StructuredOutput
 from engine.structured import CACHE_SIZE, Masking, MaskBatch
 
@@ -99,17 +100,20 @@ class RemoteGrammar:
 
 
 class PendingMasks:
-    """Steps sent to the shards' workers; result() waits for every Filled (once: a second call returns the same
-    masks). `sent`: (shard, worker, time.monotonic() of the send) for each that was sent one."""
+    """A step's masks: reserved (numbered, given a buffer), then sent to the shards' workers; result() waits for
+    every Filled (once: a second call returns the same masks), sending first if that was not done. `sent`:
+    (shard, worker, time.monotonic() of the send) for each that was sent one; None until sent."""
     __slots__ = ("link", "sent", "rows", "grammars", "buffer", "seq", "batch")
 
-    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, GrammarProcess, float]], rows: list[int],
+    def __init__(self, link: GrammarLink, sent: list[tuple[Shard, GrammarProcess, float]] | None, rows: list[int],
                  grammars: list, buffer: int, seq: int) -> None:
         self.link, self.sent, self.rows, self.grammars, self.buffer = link, sent, rows, grammars, buffer
         self.seq = seq
         self.batch: MaskBatch | None = None
 
     def result(self) -> MaskBatch:
+        if self.sent is None:
+            self.link.send(self)
         if self.batch is None:
             self.batch = self.link._collect(self)
         return self.batch
@@ -135,14 +139,17 @@ class GrammarLink:
         self.spin_s = spin_s if spin_s is not None else SPIN_S if usable_cores() >= SPIN_MIN_CORES else 0.0
         self._spec = pickle.dumps(WorkerSpec(hf_tokenizer, vocab_size, sorted(eos_ids), limits, backend, max_rows,
                                              threads))
-        nbytes = MASK_BUFFERS * max_rows * self.words * 4
+        if processes > FLAGS:
+            raise ValueError(f"at most {FLAGS} grammar processes")
+        nbytes = mask_file_words(max_rows, self.words) * 4
         self._mask_file = tempfile.TemporaryFile(dir=mask_dir(nbytes))
         os.ftruncate(self._mask_file.fileno(), nbytes)
-        self.masks = mask_buffers(self._mask_file.fileno(), max_rows, self.words)
-        self._pinned = _pin(self.masks)
+        self.masks, self.flags = mask_buffers(self._mask_file.fileno(), max_rows, self.words)
+        self.pinned = _pin(self.masks, nbytes)  # page-locked: the device can copy them and read the flags
         self._masking = Masking()
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[StructuredOutput], compiled in the workers
-        self._keys, self._gids, self._seqs = itertools.count(), itertools.count(), itertools.count()
+        self._keys, self._gids = itertools.count(), itertools.count()
+        self._seqs = itertools.count(1)  # the flags start at 0: step 0 would count as filled
         self._buffer = 0
         self._outstanding: PendingMasks | None = None
         self.worker_s = dict.fromkeys(WORKER_TIMES, 0.0)  # per step the slowest shard's, summed
@@ -152,6 +159,7 @@ class GrammarLink:
         self.shards = [Shard(k, self._start_worker()) for k in range(processes)]
         self._workers = [shard.worker for shard in self.shards]  # every worker started, killed at exit
         weakref.finalize(self, kill_all, self._workers)
+        weakref.finalize(self, self.flags.fill_, RELEASED)  # collected unshut: no wait on the device is left
 
     @property
     def worker(self) -> GrammarProcess:
@@ -199,11 +207,15 @@ class GrammarLink:
 
     # ---- masks -----------------------------------------------------------------------------------
     def start_fill(self, requests: list[Request]) -> PendingMasks | None:
-        """Send each shard the tokens consumed since its last Step, its new and dropped matchers, and the rows
-        to fill (-1 where another shard's)."""
-        self._check_workers()
-        if self._outstanding is not None:  # its step failed before sampling: read its answer, use nothing
-            self._outstanding.result()
+        """reserve() then send(): the masks of these requests' rows, filling."""
+        pending = self.reserve(requests)
+        if pending is not None:
+            self.send(pending)
+        return pending
+
+    def reserve(self, requests: list[Request]) -> PendingMasks | None:
+        """A step's masks, numbered and given a buffer, not yet asked for (send). Its rows are fixed now; the
+        tokens its matchers consume are those recorded until send. None: no row is constrained."""
         rows, grammars = [], []
         for i, r in enumerate(requests):
             if r.grammar is not None:
@@ -213,19 +225,40 @@ class GrammarLink:
             return None
         if len(rows) > self.rows:
             raise RuntimeError(f"{len(rows)} constrained rows in a step; the masks hold {self.rows} (max_num_seqs)")
-        fills = [[OTHERS] * len(rows) for _ in self.shards]
-        for i, grammar in enumerate(grammars):
-            fills[grammar.shard.index][i] = grammar.gid
-        seq, sent = next(self._seqs), []
-        for shard, fill in zip(self.shards, fills):  # every shard: its drops and tokens go too, rows or not
-            if not shard.worker.ready.is_set():  # restarted and still starting: its rows are lost at once,
-                _lose(shard, grammars, self.masks[self._buffer, :len(rows)])  # not after its 3-5 s start
-                continue
-            shard.worker.send_step(self._encoder.encode(shard.take_step(fill, self._buffer, seq)))
-            sent.append((shard, shard.worker, time.monotonic()))
-        self._outstanding = PendingMasks(self, sent, rows, grammars, self._buffer, seq)
+        pending = PendingMasks(self, None, rows, grammars, self._buffer, next(self._seqs))
         self._buffer = (self._buffer + 1) % MASK_BUFFERS
-        return self._outstanding
+        return pending
+
+    def send(self, pending: PendingMasks) -> None:
+        """Send each shard the tokens consumed since its last Step, its new and dropped matchers, and its rows
+        of `pending` to fill (-1 where another shard's). A shard whose worker is still starting loses its rows
+        at once (they allow every token), not after its 3-5 s start."""
+        self._check_workers()
+        if self._outstanding is not None:  # its step failed before sampling: read its answer, use nothing
+            self._outstanding.result()
+        fills = [[OTHERS] * len(pending.rows) for _ in self.shards]
+        for i, grammar in enumerate(pending.grammars):
+            fills[grammar.shard.index][i] = grammar.gid
+        pending.sent = []
+        for shard, fill in zip(self.shards, fills):  # every shard: its drops and tokens go too, rows or not
+            if not shard.worker.ready.is_set():
+                self._lose(shard, pending)
+                continue
+            step = shard.take_step(fill, pending.buffer, pending.seq)
+            step.flag = shard.index
+            shard.worker.send_step(self._encoder.encode(step))
+            pending.sent.append((shard, shard.worker, time.monotonic()))
+        self._outstanding = pending
+
+    def release(self, pending: PendingMasks) -> None:
+        """A reserved step that will not be sent (its sampling failed): whatever waits on its flags goes on.
+        The Step before it is read first, so its worker cannot lower a flag raised here."""
+        if pending.sent is not None:
+            return
+        if self._outstanding is not None:
+            self._outstanding.result()
+        for shard in self.shards:
+            self._raise_flag(shard, pending.seq)
 
     def fill(self, requests: list[Request]) -> MaskBatch | None:
         pending = self.start_fill(requests)
@@ -240,7 +273,7 @@ class GrammarLink:
         for shard, worker, sent_at in pending.sent:
             filled = self._receive(worker, pending.seq)
             if filled is None:
-                _lose(shard, pending.grammars, rows)
+                self._lose(shard, pending)
                 continue
             by_gid = {g.gid: g for g in pending.grammars} if filled.broken else None
             for gid, why in zip(filled.broken, filled.why):
@@ -265,8 +298,25 @@ class GrammarLink:
                 return filled
         return None
 
+    def _lose(self, shard: Shard, pending: PendingMasks) -> None:
+        """A shard's worker is gone (or still starting): its rows of the step allow every token, its grammars
+        there are broken, and its flag is raised for the device (engine/mask_gate.py)."""
+        rows = self.masks[pending.buffer, :len(pending.rows)]
+        for i, grammar in enumerate(pending.grammars):
+            if grammar.shard is shard:
+                rows[i].fill_(-1)
+                grammar.broken = LOST
+        self._raise_flag(shard, pending.seq)
+
+    def _raise_flag(self, shard: Shard, seq: int) -> None:
+        if int(self.flags[shard.index]) < seq:
+            self.flags[shard.index] = seq
+
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         self._masking.apply(logits, batch)
+
+    def apply_on_device(self, logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
+        self._masking.apply_on_device(logits, rows, masks)
 
     # ---- the workers' lives ----------------------------------------------------------------------
     def _check_workers(self) -> None:
@@ -288,7 +338,9 @@ class GrammarLink:
     def shutdown(self) -> None:
         for shard in self.shards:
             shard.worker.stop()
-        if self._pinned:
+        self.flags.fill_(RELEASED)  # a wait still queued on the device returns
+        if self.pinned:
+            torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
         self._mask_file.close()
 
@@ -309,14 +361,6 @@ def _worker_times(filled: Filled, sent_at: float, waiting_from: float) -> tuple[
     was sent the engine read it, counted from when the engine began to wait (before that it was busy)."""
     late = time.monotonic() - max(filled.answered, waiting_from)
     return filled.accept_s, filled.fill_s, filled.received - sent_at, max(0.0, late)
-
-
-def _lose(shard: Shard, grammars: list, rows: torch.Tensor) -> None:
-    """A shard's worker is gone: its rows of the step allow every token, its grammars there are broken."""
-    for i, grammar in enumerate(grammars):
-        if grammar.shard is shard:
-            rows[i].fill_(-1)
-            grammar.broken = LOST
 
 
 def _all_of(pieces: list[Future], future: Future) -> None:
@@ -349,11 +393,12 @@ def mask_dir(nbytes: int, shm: str = "/dev/shm") -> str | None:
     return shm if st.f_bavail * st.f_frsize >= 2 * nbytes else None
 
 
-def _pin(masks: torch.Tensor) -> bool:
-    """Page-lock the shared masks on CUDA hosts, so their copy to the device runs asynchronously."""
+def _pin(masks: torch.Tensor, nbytes: int | None = None) -> bool:
+    """Page-lock the shared masks (and the flags behind them: `nbytes` from the masks' start) on CUDA hosts, so
+    their copy to the device runs asynchronously and the device reads the flags (engine/mask_gate.py)."""
     if not torch.cuda.is_available():
         return False
-    nbytes = masks.numel() * masks.element_size()
+    nbytes = nbytes or masks.numel() * masks.element_size()
     code = int(torch.cuda.cudart().cudaHostRegister(masks.data_ptr(), nbytes, 0))
     if code != 0:
         logger.warning("could not page-lock the grammar masks (cudaHostRegister: %s): their copies wait", code)

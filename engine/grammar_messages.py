@@ -45,6 +45,7 @@ class Step(msgspec.Struct, tag=True, array_like=True, gc=False):
     fill: list[int]  # row i of the buffer gets the mask of matcher fill[i]; -1: another process's row
     buffer: int
     seq: int  # echoed in the Filled: the engine skips the answer to a step it gave up on
+    flag: int = -1  # the shared flag set to seq once the rows are written (engine/mask_gate.py); -1: none
 
 
 class Filled(msgspec.Struct, tag=True, array_like=True, gc=False):

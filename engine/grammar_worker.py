@@ -33,6 +33,7 @@ PARENT_CHECK_MS = 1000  # how often an idle worker checks that its engine still 
 MASK_BUFFERS = 2  # the engine alternates them, so a buffer is not rewritten while its copy to the device runs
 UNKNOWN = "the grammar process holds no grammar for this request (it was restarted)"
 OTHERS = -1  # a Step's fill entry for a row another grammar process fills (GrammarLink shares the rows)
+FLAGS = 64  # flags in the shared file: one per grammar process (GrammarLink starts at most this many)
 
 
 @dataclass
@@ -47,26 +48,33 @@ class WorkerSpec:
     fill_threads: int | None = None  # xgrammar's batch fill threads (None: half the host's hardware threads)
 
 
+def mask_file_words(rows: int, words: int) -> int:
+    """int32 words of the shared file: the bitmasks, then FLAGS int64 flags."""
+    return MASK_BUFFERS * rows * words + 2 * FLAGS
+
+
 def mask_buffers(fd: int, rows: int, words: int):
-    """The shared bitmask, [MASK_BUFFERS, rows, words] int32, mapped from the file behind `fd`."""
+    """The shared bitmask, [MASK_BUFFERS, rows, words] int32, and the flags, [FLAGS] int64 (flag k: the seq of
+    the last Step whose rows grammar process k wrote; engine/mask_gate.py waits on them), mapped from the file
+    behind `fd`. The bitmask's size is even, so the flags are 8-byte aligned."""
     import torch
 
     count = MASK_BUFFERS * rows * words
-    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=count, dtype=torch.int32).view(
-        MASK_BUFFERS, rows, words)
+    flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=mask_file_words(rows, words), dtype=torch.int32)
+    return flat[:count].view(MASK_BUFFERS, rows, words), flat[count:].view(torch.int64)
 
 
 class Worker:
     """The matchers by the engine's grammar id; those that refused a token stay, marked broken, until dropped."""
 
-    def __init__(self, spec: WorkerSpec, masks) -> None:
+    def __init__(self, spec: WorkerSpec, masks, flags=None) -> None:
         from engine.structured import StructuredOutputs
 
         self.structured = StructuredOutputs(spec.hf_tokenizer, spec.vocab_size, spec.eos_ids, spec.limits,
                                             spec.backend)
         self.structured.switch_interval_s = None  # no mask thread here
         self.structured.fill_threads = spec.fill_threads
-        self.masks = masks
+        self.masks, self.flags = masks, flags
         self.matchers: dict[int, object] = {}
         self.broken: dict[int, str] = {}
         self._compile_lock = threading.Lock()  # the LRU of compiled grammars is shared by both threads
@@ -76,17 +84,21 @@ class Worker:
             return self.structured.compile(constraint)
 
     def step(self, msg: Step) -> Filled:
-        """The Step applied; an exception fails the step's grammars (rows allow everything) instead of the
-        worker, which would otherwise be restarted and fail the same way at every step."""
+        """The Step applied, then its flag raised (the rows are written); an exception fails the step's grammars
+        (rows allow everything) instead of the worker, which would otherwise be restarted and fail the same way
+        at every step."""
         try:
-            return self._step(msg)
+            filled = self._step(msg)
         except Exception as exc:  # noqa: BLE001 - reported per request; the worker goes on
             why = f"the grammar process failed: {type(exc).__name__}: {exc}"[:300]
             mine = [(row, gid) for row, gid in enumerate(msg.fill) if gid != OTHERS]  # not another process's
             for row, gid in mine:
                 self.masks[msg.buffer, row] = -1
                 self.broken[gid] = why
-            return Filled(msg.seq, [gid for _, gid in mine], [why] * len(mine), len(self.matchers))
+            filled = Filled(msg.seq, [gid for _, gid in mine], [why] * len(mine), len(self.matchers))
+        if msg.flag >= 0 and self.flags is not None:
+            self.flags[msg.flag] = msg.seq  # after the rows: a store after stores, seen in order (x86-64)
+        return filled
 
     def _step(self, msg: Step) -> Filled:
         for new in msg.new:
@@ -184,7 +196,7 @@ def main(argv: list[str]) -> None:
         with open(spec_file, "rb") as f:
             spec: WorkerSpec = pickle.load(f)
         os.unlink(spec_file)  # read once (the engine removes it too, should this process die first)
-        worker = Worker(spec, mask_buffers(int(fd), spec.rows, (spec.vocab_size + 31) // 32))
+        worker = Worker(spec, *mask_buffers(int(fd), spec.rows, (spec.vocab_size + 31) // 32))
     except Exception as exc:  # noqa: BLE001 - told to the engine, which then fills masks in its own process
         conn.send_bytes(encoder.encode(Ready(f"{type(exc).__name__}: {exc}")))
         return

@@ -13,6 +13,7 @@ from attention.base import PAD_SLOT_ID, GraphSupport
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
 from engine.device_clock import DeviceClock
+from engine.mask_gate import MaskGate
 from engine.malloc import trim_free_memory
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler
@@ -212,6 +213,7 @@ class ModelRunner:
         self.builder = AttentionMetadataBuilder(block_size, device)
         self.sampler = Sampler()
         self.structured = None  # engine.structured.StructuredOutputs, set by the engine when it has a tokenizer
+        self.mask_gate: MaskGate | None = None  # the device waits for grammar masks (use_structured)
         self.masked_steps, self.mask_wait_s = 0, 0.0  # steps sampled under grammar masks; their wait for them
         self.clock = StepClock()  # the host's sections (the engine gives its own), and the device's parts:
         self.device_clock = DeviceClock(device.type == "cuda")
@@ -250,17 +252,20 @@ class ModelRunner:
         impl.warm_up(*self.kv_caches[0], metas)
         torch.cuda.synchronize()
 
-    def use_structured(self, structured) -> None:
+    def use_structured(self, structured, wait: str = "pipeline") -> None:
         """Sample under grammar masks from `structured` (None: no tokenizer, no grammars). On CUDA the mask
         kernel is checked against the reference and compiled now, not while serving (engine/mask_kernel.py;
         xgrammar's, if that one is not used, has a Triton variant for a row count of 1, one for multiples of 16
         and one for the rest, each a fraction of a second). On an H100 a warm-up load (half its rows
         constrained, row counts new to xgrammar's kernel) spent 0.99 ms a step applying masks before this
         warm-up and the page-locked row index (engine/structured.py _index), 0.15 ms after them
-        (docs/benchmarks.md, ninth and tenth sessions)."""
+        (docs/benchmarks.md, ninth and tenth sessions). wait: EngineConfig.structured_outputs_wait ("auto" or
+        "device": the device waits for the masks, engine/mask_gate.py, where it can)."""
         self.structured = structured
         if structured is None or self.device.type != "cuda":
             return
+        if wait in ("auto", "device"):
+            self.mask_gate = _mask_gate(structured, self.device)
         words = (self.vocab_size + 31) // 32
         try:  # the model's dtype (logits) and float32 (Sampler.presample's scores)
             for dtype, rows in itertools.product((self.dtype, torch.float32), (1, 2, 16)):
@@ -340,6 +345,8 @@ class ModelRunner:
             self.device_clock.launched(handle.marks)
         elif not self.needs_masks(inputs.sample_requests):
             self.sample(handle)
+        elif self.mask_gate is not None:  # sampled now: the device waits for the masks (engine/mask_gate.py)
+            self._sample_gated(handle)
         else:  # its sampling up to the masks, queued now: the device runs it while they fill
             handle.presampled = self.sampler.presample(handle.logits, handle.requests)
             self.clock.lap("sample")
@@ -352,9 +359,44 @@ class ModelRunner:
         return self.structured is not None and any([r.grammar is not None for r in requests])
 
     def start_masks(self, handle: StepHandle) -> None:
-        """Start filling a launched step's grammar masks (its rows' matchers are up to date) for sample()."""
+        """Start filling a launched step's grammar masks (its rows' matchers are up to date) for sample(); with the
+        gate, send the masks its sampling already waits for on the device (once: later calls do nothing)."""
         if handle.logits is not None and self.structured is not None:
             handle.masks = self.structured.start_fill(handle.requests)
+        elif getattr(handle.masks, "sent", True) is None:  # reserved by _sample_gated, not sent yet
+            self.structured.send(handle.masks)
+
+    def _sample_gated(self, handle: StepHandle) -> None:
+        """Queue a constrained step's sampling behind the device's wait for its masks (reserved now, sent by
+        start_masks once the previous step's tokens are consumed); a failure releases them."""
+        logits, handle.logits = handle.logits, None
+        pending = handle.masks = self.structured.reserve(handle.requests)
+        try:
+            scores = self.sampler.presample(logits, handle.requests)
+            device_masks = self.mask_gate.copy_when_filled(pending.buffer, len(pending.rows), pending.seq)
+            sample_start = self.device_clock.mark()
+            self.structured.apply_on_device(scores if scores is not None else logits, pending.rows, device_masks)
+            if scores is not None:
+                handle.tokens, handle.token_lp = scores.argmax(dim=-1), None
+            else:
+                handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
+            self.mask_gate.used(pending.buffer)
+        except BaseException:
+            self.structured.release(pending)
+            handle.masks = None
+            raise
+        self.masked_steps += 1
+        self._tokens_to_host(handle, sample_start)
+
+    def _tokens_to_host(self, handle: StepHandle, sample_start) -> None:
+        """Queue the sampled tokens' copy to page-locked host memory and the step's last device events."""
+        handle.host_tokens = torch.empty(len(handle.request_ids), dtype=torch.long, pin_memory=True)
+        handle.host_tokens.copy_(handle.tokens, non_blocking=True)
+        handle.done = self.device_clock.mark()
+        if handle.marks is not None:
+            handle.marks[2:] = sample_start, handle.done
+            self.device_clock.launched(handle.marks)
+        self.clock.lap("sample")
 
     @torch.inference_mode()
     def sample(self, handle: StepHandle) -> None:
@@ -380,13 +422,9 @@ class ModelRunner:
                 self.structured.apply(logits, masks)
             handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
         if self.device.type == "cuda":
-            handle.host_tokens = torch.empty(len(handle.request_ids), dtype=torch.long, pin_memory=True)
-            handle.host_tokens.copy_(handle.tokens, non_blocking=True)
-            handle.done = self.device_clock.mark()
-            if handle.marks is not None:
-                handle.marks[2:] = sample_start, handle.done
-                self.device_clock.launched(handle.marks)
-        self.clock.lap("sample")
+            self._tokens_to_host(handle, sample_start)
+        else:
+            self.clock.lap("sample")
 
     def _graphs_for(self, inputs: StepInputs) -> CudaGraphSteps | None:
         num_tokens, num_prev = len(inputs.input_ids), len(self._last.request_ids)
@@ -427,6 +465,12 @@ class ModelRunner:
         prompt_lps = handle.prompt_logprobs or {}
         if not handle.request_ids:
             return RunnerOutput({}, {}, prompt_lps)
+        if handle.masks is not None and self.mask_gate is not None:  # gated: its answers say which grammars broke
+            self.start_masks(handle)
+            waited = time.perf_counter()
+            handle.masks.result()
+            self.mask_wait_s += time.perf_counter() - waited
+            self.clock.lap("mask wait")
         if handle.token_lp is None and handle.done is not None:
             handle.done.synchronize()
             self.device_clock.settle()
@@ -438,3 +482,22 @@ class ModelRunner:
         self.device_clock.settle()
         logprobs = {rid: lp for rid, lp in zip(handle.request_ids, sampled.logprobs) if lp is not None}
         return RunnerOutput(dict(zip(handle.request_ids, sampled.token_ids)), logprobs, prompt_lps)
+
+
+def _mask_gate(structured, device: torch.device) -> MaskGate | None:
+    """A MaskGate over the grammar processes' shared masks, once its wait passed its check on this device; None
+    (the host waits for the masks) with the in-process matchers, without Triton, or where the check failed."""
+    from engine import mask_gate
+
+    flags = getattr(structured, "flags", None)
+    if flags is None or not mask_gate.available() or not getattr(structured, "pinned", False):
+        logger.info("grammar masks: the host waits for them (no grammar process with page-locked flags, or no "
+                    "triton)")
+        return None
+    gate = MaskGate(structured.masks, flags, len(structured.shards), device)
+    why = gate.check()
+    if why is not None:
+        logger.warning("grammar masks: the device cannot wait for them (%s): the host does", why)
+        return None
+    logger.info("grammar masks: the device waits for them (engine/mask_gate.py)")
+    return gate

@@ -226,6 +226,15 @@ class Masking:
             mask = full
         self._kernel(logits, mask, vocab_size=min(logits.shape[1], mask.shape[1] * 32))
 
+    def apply_on_device(self, logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
+        """apply() with the masks already on the logits' device (engine/mask_gate.py copied them there)."""
+        if self._use_own(logits):
+            in_order = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+            index = None if in_order else _index(rows, logits.device).to(logits.device, non_blocking=True)
+            mask_kernel.apply_mask(logits, masks, index)
+        else:
+            apply_reference(logits, MaskBatch(rows, masks))
+
     def _use_own(self, logits: torch.Tensor) -> bool:
         """Whether engine/mask_kernel.py runs on this device and dtype: checked against the reference once."""
         key = (logits.device, logits.dtype)

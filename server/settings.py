@@ -146,9 +146,10 @@ ENGINE_HELP = {
     "structured_outputs_backend": "structured outputs' masks: auto (xgrammar for JSON schemas and regexes when "
                                   "installed, llguidance otherwise and for Lark/GBNF grammars and choices), "
                                   "xgrammar (the same, xgrammar required), guidance (llguidance for all)",
-    "structured_outputs_pipeline": "structured outputs: fill a step's grammar masks while the next step is scheduled "
-                                   "and staged (async scheduling); --no-structured-outputs-pipeline samples each "
-                                   "constrained step as soon as its masks are filled",
+    "structured_outputs_wait": "structured outputs: who waits for a step's grammar masks: device (the step is "
+                               "queued whole and the GPU waits; needs the grammar process), pipeline (the host "
+                               "samples it once the next step is scheduled and staged), step (the host samples it "
+                               "at once), auto (device where it can, else pipeline)",
     "structured_outputs_process": "structured outputs: keep the grammar matchers in a process of their own, off the "
                                   "engine's GIL (default: on with a GPU)",
     "structured_outputs_processes": "structured outputs: how many grammar processes share the matchers, each "

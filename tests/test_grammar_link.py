@@ -203,6 +203,45 @@ def test_a_step_given_up_on_does_not_mix_its_masks_with_the_next(remote, local):
     assert given_up.result().rows == [0, 1, 2]
 
 
+def test_a_reserved_steps_matchers_consume_the_tokens_recorded_before_it_is_sent(remote, local):
+    """The device-wait order (engine/mask_gate.py): a step's masks are reserved when it is queued, and sent once
+    the step before it was read. Tokens accepted in between reach the worker first, so the rows equal the
+    in-process fill after the same tokens. Only then is the worker's flag at the step's number."""
+    link, here = remote.engine.structured, local.engine.structured
+    so = StructuredOutput(json=json.dumps(SCHEMA))
+    remote_rows = [SimpleNamespace(grammar=link.new_grammar(link.compile(so))) for _ in range(2)]
+    local_rows = [SimpleNamespace(grammar=here.new_grammar(here.compile(so))) for _ in range(2)]
+    pending = link.reserve(remote_rows)
+    assert pending.sent is None and int(link.flags[0]) < pending.seq
+    for token in remote.get_tokenizer().encode('{"', add_special_tokens=False):  # the first row moves on
+        assert remote_rows[0].grammar.accept(token) and local_rows[0].grammar.accept(token)
+    link.send(pending)
+    got, want = pending.result(), here.fill(local_rows)
+    assert torch.equal(got.bitmask, want.bitmask) and not torch.equal(got.bitmask[0], got.bitmask[1])
+    assert int(link.flags[0]) == pending.seq
+    later = link.start_fill(remote_rows)  # numbers go up: a wait for the next step is not met by this one's flag
+    assert later.seq > pending.seq
+    later.result()
+    assert int(link.flags[0]) == later.seq
+
+
+def test_flags_rise_for_lost_workers_and_released_steps(link):
+    """Nothing may leave the device waiting: a step given up before it was sent (release) raises every flag to
+    its number, and a lost worker's flag is raised by the link with its rows allowing every token."""
+    so = StructuredOutput(json=json.dumps(SCHEMA))
+    rows = [SimpleNamespace(grammar=link.new_grammar(link.compile(so)))]
+    given_up = link.reserve(rows)
+    link.release(given_up)
+    assert int(link.flags[0]) == given_up.seq
+    kill_worker(link)
+    pending = link.reserve(rows)
+    batch = pending.result()  # sent here: the worker is gone (a new one starts), its rows allow everything
+    assert int(link.flags[0]) == pending.seq
+    assert bool((batch.bitmask == -1).all()) and rows[0].grammar.error()
+    link.release(pending)  # sent already: nothing to release
+    assert int(link.flags[0]) == pending.seq
+
+
 def test_preemption_with_a_tiny_pool(tiny_model_dir, local):
     """6 blocks of 16 tokens for 4 requests: they preempt each other, the worker's matchers keep their place."""
     small = LLM(str(tiny_model_dir("llama")), num_kv_blocks=6, max_num_seqs=4, structured_outputs_process=True)
@@ -260,15 +299,81 @@ def test_killed_grammar_process_fails_only_constrained_requests(tiny_model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_link_is_the_default_and_its_masks_are_page_locked(tiny_model_dir):
     """On CUDA the engine links to a grammar process by itself; the shared masks are page-locked (their copy to
-    the device does not wait), and the outputs equal the in-process matchers' under async scheduling."""
+    the device does not wait), the device waits for them (engine/mask_gate.py), and the outputs equal the
+    in-process matchers' (the host waiting) under async scheduling: free rows, xgrammar's and llguidance's,
+    sampled ones with n=2, and a request with logprobs (sampled after the masks, not presampled)."""
     path = str(tiny_model_dir("llama"))
     linked = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256)
     local = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, structured_outputs_process=False)
     link = linked.engine.structured
     assert isinstance(link, GrammarLink) and link.masks.is_pinned()
-    params = [json_params(), choice_params(), SamplingParams(temperature=0.0, max_tokens=20), json_params()]
-    assert run(linked, PROMPTS, params) == run(local, PROMPTS, params)
+    assert linked.engine.runner.mask_gate is not None and local.engine.runner.mask_gate is None
+    assert linked.engine.async_scheduling and not linked.engine.pipeline_masks
+    params = [json_params(), choice_params(), SamplingParams(temperature=0.0, max_tokens=20), json_params(),
+              json_params(n=2, temperature=0.8, seed=7), json_params(logprobs=2)] * 2
+    prompts = PROMPTS * 3
+    got = run(linked, prompts, params)
+    assert got == run(local, prompts, params)
+    assert linked.engine.stats().structured_steps > 0
+    tok = linked.get_tokenizer()
+    for ids, p in zip(got, [p for p in params for _ in range(p.n)]):
+        if p.structured is not None and p.structured.json is not None:
+            validate_if_whole(tok.decode(ids, skip_special_tokens=True))
+    assert_no_matcher_left(linked)
+    assert linked.engine.stats().scheduler.num_blocks_used == 0
     link.shutdown()
+
+
+def validate_if_whole(text: str) -> None:
+    """The JSON schema's output: valid once it ends; cut by max_tokens, at least a prefix of it."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        assert text.startswith("{"), text
+        return
+    assert isinstance(value, dict) and set(value) == {"word", "n"}, text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_killed_grammar_process_does_not_leave_the_device_waiting(tiny_model_dir):
+    """SIGKILL the grammar process at the fifth step whose masks the device waits for: the link raises the lost
+    worker's flag, so the device goes on; the constrained requests fail, the free ones finish as they would,
+    and a preemption-heavy run (6 KV blocks) after it equals the host-waiting run."""
+    path = str(tiny_model_dir("llama"))
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256)
+    link = llm.engine.structured
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want_free = run(llm, PROMPTS[:2], free)
+    steps, real = [], link.send
+
+    def kill_at_fifth(pending):
+        steps.append(1)
+        if len(steps) == 5:
+            kill_worker(link)
+        return real(pending)
+
+    link.send = kill_at_fifth
+    try:
+        outs = llm.generate(PROMPTS[:2] * 2, [free, free, json_params(ignore_eos=True), json_params(ignore_eos=True)])
+    finally:
+        link.send = real
+    assert len(steps) >= 5
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want_free
+    for o in outs[2:]:
+        assert o.outputs[0].finish_reason == "error" and "grammar process" in o.outputs[0].error
+    assert llm.engine.stats().scheduler.num_blocks_used == 0
+    link.shutdown()
+    small = LLM(path, device="cuda", dtype="float32", num_kv_blocks=6, max_num_seqs=4)
+    host = LLM(path, device="cuda", dtype="float32", num_kv_blocks=6, max_num_seqs=4,
+               structured_outputs_wait="pipeline")
+    try:
+        assert small.engine.runner.mask_gate is not None and host.engine.runner.mask_gate is None
+        assert run(small, PROMPTS, json_params()) == run(host, PROMPTS, json_params())
+        assert small.engine.stats().scheduler.num_preemptions > 0
+    finally:
+        small.engine.structured.shutdown()
+        host.engine.structured.shutdown()
 
 
 def test_server_survives_its_grammar_process_killed(tiny_model_dir):
