@@ -94,20 +94,25 @@ def timed_run(llm: LLM, prompts, params) -> dict:
 
 def variant(llm: LLM, name: str):
     """Set the constrained step's switches for one run; returns the undo. `name` is
-    "<loop>-<interval>[-t<N>][-inproc]": loop `serial` (a constrained step samples in the call that launched it)
-    or `pipelined` (the step after it is scheduled and staged first: engine._step_behind_masks); interval `5ms`
+    "<loop>-<interval>[-t<N>][-inproc]": loop `serial` (a constrained step samples in the call that launched it),
+    `pipelined` (the step after it is scheduled and staged first: engine._step_behind_masks) or `device` (queued
+    whole, the device waits for its masks: engine/mask_gate.py; as built where it can); interval `5ms`
     (CPython's default) or `0.2ms` (the mask thread gets the GIL back sooner: on the 2-core development machine
     a 3 ms xgrammar fill in a thread beside 3 ms of Python took 6.3 ms at 5 ms and 3.4 ms at 0.2 ms); tN:
     xgrammar's batch fill on N threads (its default: half the host's hardware threads; in-process only);
     `inproc`: the matchers in the engine's process (engine/structured.py) where the engine was built with a
     grammar process (engine/grammar_link.py, the default on CUDA). `as-built`: the defaults."""
     engine, before = llm.engine, sys.getswitchinterval()
-    pipelined, built = engine.pipeline_masks, engine.structured
+    pipelined, built, gate = engine.pipeline_masks, engine.structured, engine.runner.mask_gate
     if name != "as-built":
         loop, ms, threads, inproc = parse_variant(name)
         if inproc:
             use_structured(engine, in_process(llm))
         engine.pipeline_masks = loop == "pipelined"
+        if loop != "device" or inproc:  # the gate needs the grammar process's flags
+            engine.runner.mask_gate = None
+        elif gate is None:
+            raise ValueError("device: this engine's device does not wait for masks (no CUDA or no grammar process)")
         sys.setswitchinterval(0.005 if ms == "5ms" else 0.0002)
         structured = engine.structured
         interval = getattr(structured, "switch_interval_s", None)
@@ -116,7 +121,7 @@ def variant(llm: LLM, name: str):
         batch = set_fill_threads(structured, threads) if threads else None
 
     def undo() -> None:
-        engine.pipeline_masks = pipelined
+        engine.pipeline_masks, engine.runner.mask_gate = pipelined, gate
         sys.setswitchinterval(before)
         if name != "as-built":
             if hasattr(structured, "switch_interval_s"):
@@ -132,8 +137,8 @@ def parse_variant(name: str) -> tuple[str, str, int | None, bool]:
     inproc = parts[-1] == "inproc"
     parts = parts[:-1] if inproc else parts
     threads = int(parts.pop()[1:]) if len(parts) == 3 and parts[2][:1] == "t" and parts[2][1:].isdigit() else None
-    if len(parts) != 2 or parts[0] not in ("serial", "pipelined") or parts[1] not in ("5ms", "0.2ms"):
-        raise ValueError(f"unknown variant {name!r}: as-built, or serial|pipelined-5ms|0.2ms[-tN][-inproc]")
+    if len(parts) != 2 or parts[0] not in ("serial", "pipelined", "device") or parts[1] not in ("5ms", "0.2ms"):
+        raise ValueError(f"unknown variant {name!r}: as-built, or serial|pipelined|device-5ms|0.2ms[-tN][-inproc]")
     return parts[0], parts[1], threads, inproc
 
 
@@ -202,7 +207,7 @@ def main() -> int:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--variants", nargs="*", default=[],
-                   help="json 100%% once per entry: as-built, or serial|pipelined-5ms|0.2ms[-tN][-inproc]")
+                   help="json 100%% once per entry: as-built, or serial|pipelined|device-5ms|0.2ms[-tN][-inproc]")
     p.add_argument("--grammar-process", choices=("auto", "on", "off"), default="auto",
                    help="the engine's matchers in a grammar process (auto: with CUDA); -inproc variants swap")
     p.add_argument("--out", type=Path)
