@@ -16,7 +16,7 @@ from engine.device_clock import DeviceClock
 from engine.mask_gate import MaskGate
 from engine.malloc import trim_free_memory
 from engine.request import Request, TokenLogprob
-from engine.sampler import Sampler
+from engine.sampler import Sampler, logprob_table, read_logprobs
 from engine.structured import MaskBatch
 from engine.scheduler import SchedulerOutput
 from engine.step_clock import StepClock
@@ -82,6 +82,7 @@ class StepHandle:
     masks: Future | None = None  # its grammar masks, filling (start_masks), when started before sample()
     marks: list | None = None  # its device events (engine/device_clock.py DeviceClock.launched), on CUDA
     presampled: torch.Tensor | None = None  # Sampler.presample's scores, when its rows allow it
+    with_logprobs: bool = False  # host_tokens holds sampler.logprob_table's values (CUDA), not only the tokens
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -389,9 +390,14 @@ class ModelRunner:
         self._tokens_to_host(handle, sample_start)
 
     def _tokens_to_host(self, handle: StepHandle, sample_start) -> None:
-        """Queue the sampled tokens' copy to page-locked host memory and the step's last device events."""
-        handle.host_tokens = torch.empty(len(handle.request_ids), dtype=torch.long, pin_memory=True)
-        handle.host_tokens.copy_(handle.tokens, non_blocking=True)
+        """Queue the sampled tokens' copy (with their logprobs, when asked: logprob_table) to page-locked host
+        memory and the step's last device events: collect() then waits for an event, never for the stream."""
+        source = handle.tokens
+        if handle.token_lp is not None:
+            source = logprob_table(handle.token_lp, handle.tokens, [r.sampling_params for r in handle.requests])
+            handle.token_lp, handle.with_logprobs = None, True
+        handle.host_tokens = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        handle.host_tokens.copy_(source, non_blocking=True)
         handle.done = self.device_clock.mark()
         if handle.marks is not None:
             handle.marks[2:] = sample_start, handle.done
@@ -471,11 +477,14 @@ class ModelRunner:
             handle.masks.result()
             self.mask_wait_s += time.perf_counter() - waited
             self.clock.lap("mask wait")
-        if handle.token_lp is None and handle.done is not None:
+        if handle.done is not None:
             handle.done.synchronize()
             self.device_clock.settle()
-            token_ids = handle.host_tokens.tolist()
-            return RunnerOutput(dict(zip(handle.request_ids, token_ids)), {}, prompt_lps)
+            if not handle.with_logprobs:
+                return RunnerOutput(dict(zip(handle.request_ids, handle.host_tokens.tolist())), {}, prompt_lps)
+            token_ids, lps = read_logprobs(handle.host_tokens.tolist(), [r.sampling_params for r in handle.requests])
+            logprobs = {rid: lp for rid, lp in zip(handle.request_ids, lps) if lp is not None}
+            return RunnerOutput(dict(zip(handle.request_ids, token_ids)), logprobs, prompt_lps)
         with torch.inference_mode():
             sampled = self.sampler.to_host(handle.tokens, handle.token_lp,
                                            [r.sampling_params for r in handle.requests])

@@ -276,15 +276,28 @@ def gather_logprobs(token_lp: torch.Tensor, tokens: torch.Tensor, params: list[S
                     ) -> tuple[list[int], list[TokenLogprob | None]]:
     """token_lp [n, vocab] log-probs, tokens [n] -> (the tokens as a list, one TokenLogprob per row that
     asked: the chosen token's logprob and the top-k best first). A single device -> host transfer."""
+    return read_logprobs(logprob_table(token_lp, tokens, params).tolist(), params)
+
+
+def logprob_table(token_lp: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What read_logprobs reads, on the device, queued only: the tokens, then per row that asked its chosen
+    token's logprob, its top max_k logprobs and their ids, as one float64 tensor (float64 holds token ids
+    exactly). The runner copies it to the host with the step, so reading it never waits on the stream (where
+    a later step may wait for grammar masks this thread has yet to ask for: engine/mask_gate.py)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     rows_t = to_device(rows, token_lp.device)
     lp = token_lp[rows_t]  # [r, vocab]
     chosen = lp.gather(1, tokens[rows_t].unsqueeze(1))  # [r, 1]
     max_k = max(params[i].logprobs for i in rows)
     top_vals, top_ids = lp.topk(max_k, dim=-1)  # [r, max_k] each (max_k may be 0)
-    # float64 holds token ids exactly, so everything travels in one tensor.
     table = torch.cat([chosen.double(), top_vals.double(), top_ids.double()], dim=1)  # [r, 1 + 2 * max_k]
-    host = torch.cat([tokens.double(), table.flatten()]).tolist()
+    return torch.cat([tokens.double(), table.flatten()])
+
+
+def read_logprobs(host: list[float], params: list[SamplingParams]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logprob_table's values on the host -> (the tokens, one TokenLogprob per row that asked, else None)."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    max_k = max(params[i].logprobs for i in rows)
     n, width = len(params), 1 + 2 * max_k
     token_ids = [int(t) for t in host[:n]]
     out: list[TokenLogprob | None] = [None] * n
