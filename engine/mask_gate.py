@@ -31,15 +31,17 @@ except ImportError:  # CPU-only installs
     triton = None
 
 RELEASED = 2 ** 62  # a flag value past every step: nothing waits on it
+MAX_READS = 1 << 24  # the Triton wait gives up after this many reads of host memory (~1 us each: seconds)
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["seq"])  # one compile for every step number
-    def _wait(flags_ptr, count, seq):
-        k = 0
-        while k < count:
+    def _wait(flags_ptr, count, seq, max_reads):
+        k, reads = 0, 0
+        while (k < count) & (reads < max_reads):  # bounded: a flag never seen cannot hold the device for good
             if tl.load(flags_ptr + k, volatile=True) >= seq:
                 k += 1
+            reads += 1
 
 
 def available() -> bool:
@@ -54,7 +56,7 @@ def reached(flags: torch.Tensor, count: int, seq: int) -> bool:
 def wait(flags: torch.Tensor, count: int, seq: int) -> None:
     """Queue, on the current stream, a wait until reached(flags, count, seq). flags: int64, page-locked host
     memory (or device memory) the device can read."""
-    _wait[(1,)](flags, count, seq, num_warps=1)
+    _wait[(1,)](flags, count, seq, MAX_READS, num_warps=1)
 
 
 class DriverWait:

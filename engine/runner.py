@@ -265,8 +265,6 @@ class ModelRunner:
         self.structured = structured
         if structured is None or self.device.type != "cuda":
             return
-        if wait in ("auto", "device"):
-            self.mask_gate = _mask_gate(structured, self.device)
         words = (self.vocab_size + 31) // 32
         try:  # the model's dtype (logits) and float32 (Sampler.presample's scores)
             for dtype, rows in itertools.product((self.dtype, torch.float32), (1, 2, 16)):
@@ -277,6 +275,8 @@ class ModelRunner:
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - serving goes on; a constrained step would meet the error itself
             logger.exception("warming up the grammar-mask kernel failed")
+        if wait in ("auto", "device"):  # last: a wait that failed its check may still hold its side stream
+            self.mask_gate = _mask_gate(structured, self.device)
 
     def _check_warm(self) -> None:
         # A changed thread count would make every matmul shape a primitive-cache miss, built lazily while
