@@ -7,7 +7,7 @@ set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
 for wait in pipeline device; do
-  timeout 280 python3 benchmarks/online_pair.py --no-vllm --repeat "${REPEAT:-4}" --deadline-s 250 \
+  timeout 250 python3 benchmarks/online_pair.py --no-vllm --repeat "${REPEAT:-4}" --deadline-s 220 \
     --kvserve-args "--structured-outputs-wait $wait" --out "$out/$wait.json" --raw-dir "$out/raw-$wait" \
     > "$out/$wait.log" 2>&1
   echo "== $wait"
