@@ -13,4 +13,5 @@ for wait in pipeline device; do
   echo "== $wait"
   grep -E "^\| (W-B|load)|json 100% #|json 0% #" "$out/$wait.log" | cut -c1-420
 done
+grep -h "grammar masks\|Traceback\|Error" "$out"/raw-*/kvserve-serve.log 2>/dev/null | sort | uniq -c | head -8
 tar czf "$out/raw.tgz" -C "$out" raw-pipeline raw-device 2>/dev/null && rm -rf "$out"/raw-*

@@ -7,4 +7,3 @@ set -u
 out="${OUT:-./gpu-out}"
 pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
 OUT="$out/ab" bash docs/results/2026-12-07-s17/b.sh
-grep -h "grammar masks" "$out"/ab/*.log 2>/dev/null | sort | uniq -c | head -5
