@@ -69,7 +69,7 @@ class DriverWait:
         err, address = driver.cuMemHostGetDevicePointer(flags.data_ptr(), 0)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemHostGetDevicePointer: {err}")
-        self.address, self.geq = int(address), driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self.address, self.geq = int(address), int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
 
     def __call__(self, stream: torch.cuda.Stream, count: int, seq: int) -> None:
         handle = self.driver.CUstream(stream.cuda_stream)

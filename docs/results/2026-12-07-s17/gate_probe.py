@@ -9,7 +9,7 @@ TRITON = "def queue(seq):\n    mask_gate.wait(flags, 2, seq)"
 DRIVER = ("from cuda.bindings import driver\nerr, dptr = driver.cuMemHostGetDevicePointer(flags.data_ptr(), 0)\n"
           "print('devptr', err, hex(int(dptr)), flush=True)\n"
           "def queue(seq):\n    st = driver.CUstream(torch.cuda.current_stream().cuda_stream)\n"
-          "    for k in range(2):\n        r = driver.{fn}(st, int(dptr) + k * 8, seq, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)\n"
+          "    for k in range(2):\n        r = driver.{fn}(st, int(dptr) + k * 8, seq, int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))\n"
           "        assert r[0] == driver.CUresult.CUDA_SUCCESS, r")
 CASES = {
  "triton-device": ("flags = torch.zeros(4, dtype=torch.int64, device='cuda')", TRITON),
