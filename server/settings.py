@@ -149,7 +149,7 @@ ENGINE_HELP = {
     "structured_outputs_wait": "structured outputs: who waits for a step's grammar masks: device (the step is "
                                "queued whole and the GPU waits; needs the grammar process), pipeline (the host "
                                "samples it once the next step is scheduled and staged), step (the host samples it "
-                               "at once), auto (device where it can, else pipeline)",
+                               "at once), auto (device where it can, else pipeline); default pipeline",
     "structured_outputs_process": "structured outputs: keep the grammar matchers in a process of their own, off the "
                                   "engine's GIL (default: on with a GPU)",
     "structured_outputs_processes": "structured outputs: how many grammar processes share the matchers, each "

@@ -303,7 +303,7 @@ def test_on_cuda_the_link_is_the_default_and_its_masks_are_page_locked(tiny_mode
     in-process matchers' (the host waiting) under async scheduling: free rows, xgrammar's and llguidance's,
     sampled ones with n=2, and a request with logprobs (sampled after the masks, not presampled)."""
     path = str(tiny_model_dir("llama"))
-    linked = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256)
+    linked = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, structured_outputs_wait="device")
     local = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, structured_outputs_process=False)
     link = linked.engine.structured
     assert isinstance(link, GrammarLink) and link.masks.is_pinned()
@@ -341,8 +341,9 @@ def test_on_cuda_a_killed_grammar_process_does_not_leave_the_device_waiting(tiny
     worker's flag, so the device goes on; the constrained requests fail, the free ones finish as they would,
     and a preemption-heavy run (6 KV blocks) after it equals the host-waiting run."""
     path = str(tiny_model_dir("llama"))
-    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256)
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, structured_outputs_wait="device")
     link = llm.engine.structured
+    assert llm.engine.runner.mask_gate is not None
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want_free = run(llm, PROMPTS[:2], free)
     steps, real = [], link.send
@@ -364,9 +365,9 @@ def test_on_cuda_a_killed_grammar_process_does_not_leave_the_device_waiting(tiny
         assert o.outputs[0].finish_reason == "error" and "grammar process" in o.outputs[0].error
     assert llm.engine.stats().scheduler.num_blocks_used == 0
     link.shutdown()
-    small = LLM(path, device="cuda", dtype="float32", num_kv_blocks=6, max_num_seqs=4)
-    host = LLM(path, device="cuda", dtype="float32", num_kv_blocks=6, max_num_seqs=4,
-               structured_outputs_wait="pipeline")
+    small = LLM(path, device="cuda", dtype="float32", num_kv_blocks=6, max_num_seqs=4,
+                structured_outputs_wait="device")
+    host = LLM(path, device="cuda", dtype="float32", num_kv_blocks=6, max_num_seqs=4)
     try:
         assert small.engine.runner.mask_gate is not None and host.engine.runner.mask_gate is None
         assert run(small, PROMPTS, json_params()) == run(host, PROMPTS, json_params())
