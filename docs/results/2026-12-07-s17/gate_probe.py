@@ -34,7 +34,7 @@ def timed(seq, raise_after=None):
             time.sleep(raise_after); flags[:2] = seq
         threading.Thread(target=up).start()
     while not ev.query():
-        if time.monotonic() - t > 10:
+        if time.monotonic() - t > 6:
             print('HANG at seq', seq, flush=True); flags[:] = 2 ** 62; return False
         time.sleep(0.001)
     print('seq %d done in %.3f s' % (seq, time.monotonic() - t), flush=True)
@@ -44,7 +44,7 @@ timed(0) and timed(5, 0.3)
 for name, (setup, queue) in CASES.items():
     try:
         r = subprocess.run([sys.executable, "-c", BODY.format(setup=setup, queue=queue)], capture_output=True,
-                           text=True, timeout=45)
+                           text=True, timeout=25)
         print(name, "->", r.stdout.strip().replace("\n", " | "), r.stderr.strip()[-500:], flush=True)
     except subprocess.TimeoutExpired as e:
         print(name, "-> TIMEOUT", e.stdout, flush=True)
