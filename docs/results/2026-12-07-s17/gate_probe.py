@@ -1,4 +1,5 @@
-"""Which flag memory, and which wait, works on this device: the Triton spin kernel (engine/mask_gate.py) on device,
+"""Which flag memory, and which wait, works on this device (and whether a copy queued behind the wait returns at
+once, as MaskGate.copy_when_filled needs): the Triton spin kernel (engine/mask_gate.py) on device,
 cudaHostAlloc'd and cudaHostRegister'd flags, and the driver's cuStreamWaitValue32/64 (cuda.bindings) on registered
 flags. Each case in a subprocess with a timeout: first a wait already met, then one the host meets 0.3 s later."""
 import subprocess, sys
@@ -11,11 +12,17 @@ DRIVER = ("from cuda.bindings import driver\nerr, dptr = driver.cuMemHostGetDevi
           "def queue(seq):\n    st = driver.CUstream(torch.cuda.current_stream().cuda_stream)\n"
           "    for k in range(2):\n        r = driver.{fn}(st, int(dptr) + k * 8, seq, int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ))\n"
           "        assert r[0] == driver.CUresult.CUDA_SUCCESS, r")
+COPY = ("\ndef queue(seq, _wait=queue):\n    _wait(seq)\n    t = time.monotonic()\n"
+        "    dst.copy_(flat[:256], non_blocking=True)  # what MaskGate.copy_when_filled does behind the wait\n"
+        "    print('copy_ returned after %.3f s' % (time.monotonic() - t), flush=True)\n"
+        "dst = torch.empty(256, dtype=torch.int32, device='cuda')")
 CASES = {
  "triton-device": ("flags = torch.zeros(4, dtype=torch.int64, device='cuda')", TRITON),
  "triton-pinned": ("flags = torch.zeros(4, dtype=torch.int64).pin_memory()", TRITON),
  "triton-registered": (REGISTERED, TRITON),
  "driver64-registered": (REGISTERED, DRIVER.replace("{fn}", "cuStreamWaitValue64")),
+ "driver64-registered-copy": (REGISTERED, DRIVER.replace("{fn}", "cuStreamWaitValue64") + COPY),
+ "triton-registered-copy": (REGISTERED, TRITON + COPY),
 }
 BODY = """
 import threading, time, torch
