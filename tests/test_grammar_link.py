@@ -267,32 +267,38 @@ def test_killed_grammar_process_fails_only_constrained_requests(tiny_model_dir):
     would have, and the next constrained request is served by a new worker."""
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=True)
     link = llm.engine.structured
-    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want_free = run(llm, PROMPTS[:2], free)
-    steps = []
-    real = link.start_fill
-
-    def kill_at_fifth(requests):
-        steps.append(1)
-        if len(steps) == 5:
-            os.kill(link.worker.proc.pid, signal.SIGKILL)
-            link.worker.proc.wait()
-        return real(requests)
-
-    link.start_fill = kill_at_fifth
-    try:
-        outs = llm.generate(PROMPTS[:2] * 2, [free, free, json_params(ignore_eos=True), json_params(ignore_eos=True)])
-    finally:
-        link.start_fill = real
-    assert [o.outputs[0].token_ids for o in outs[:2]] == want_free
-    for o in outs[2:]:
-        assert o.outputs[0].finish_reason == "error" and "grammar process" in o.outputs[0].error
-    assert llm.engine.stats().scheduler.num_blocks_used == 0
+    run_killing_at_fifth(llm, "start_fill")
     tok = llm.get_tokenizer()
     again = run(llm, PROMPTS[:1], json_params())[0]
     validate(tok.decode(again, skip_special_tokens=True))
     assert link.worker.alive() and len(link._workers) == 2
     link.shutdown()
+
+
+def run_killing_at_fifth(llm: LLM, method: str) -> None:
+    """Two free and two constrained requests, the grammar process SIGKILLed at the fifth call of the link's
+    `method`: the constrained ones end with an error, the free ones as they did alone, no KV block is left."""
+    link = llm.engine.structured
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want_free = run(llm, PROMPTS[:2], free)
+    steps, real = [], getattr(link, method)
+
+    def kill_at_fifth(arg):
+        steps.append(1)
+        if len(steps) == 5:
+            kill_worker(link)
+        return real(arg)
+
+    setattr(link, method, kill_at_fifth)
+    try:
+        outs = llm.generate(PROMPTS[:2] * 2, [free, free, json_params(ignore_eos=True), json_params(ignore_eos=True)])
+    finally:
+        setattr(link, method, real)
+    assert len(steps) >= 5
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want_free
+    for o in outs[2:]:
+        assert o.outputs[0].finish_reason == "error" and "grammar process" in o.outputs[0].error
+    assert llm.engine.stats().scheduler.num_blocks_used == 0
 
 
 @pytest.mark.gpu
@@ -344,26 +350,7 @@ def test_on_cuda_a_killed_grammar_process_does_not_leave_the_device_waiting(tiny
     llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, structured_outputs_wait="device")
     link = llm.engine.structured
     assert llm.engine.runner.mask_gate is not None
-    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want_free = run(llm, PROMPTS[:2], free)
-    steps, real = [], link.send
-
-    def kill_at_fifth(pending):
-        steps.append(1)
-        if len(steps) == 5:
-            kill_worker(link)
-        return real(pending)
-
-    link.send = kill_at_fifth
-    try:
-        outs = llm.generate(PROMPTS[:2] * 2, [free, free, json_params(ignore_eos=True), json_params(ignore_eos=True)])
-    finally:
-        link.send = real
-    assert len(steps) >= 5
-    assert [o.outputs[0].token_ids for o in outs[:2]] == want_free
-    for o in outs[2:]:
-        assert o.outputs[0].finish_reason == "error" and "grammar process" in o.outputs[0].error
-    assert llm.engine.stats().scheduler.num_blocks_used == 0
+    run_killing_at_fifth(llm, "send")
     link.shutdown()
     small = LLM(path, device="cuda", dtype="float32", num_kv_blocks=6, max_num_seqs=4,
                 structured_outputs_wait="device")
