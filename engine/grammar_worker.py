@@ -49,8 +49,13 @@ class WorkerSpec:
 
 
 def mask_file_words(rows: int, words: int) -> int:
-    """int32 words of the shared file: the bitmasks, then FLAGS int64 flags."""
-    return MASK_BUFFERS * rows * words + 2 * FLAGS
+    """int32 words of the shared file: the bitmasks, then FLAGS int64 flags, rounded up to whole pages. The
+    file is page-locked from its start for its whole size (GrammarLink): a last page only partly inside that
+    range is the one the flags sit in. On an H100 the device's waits on flags there never ended, where a flag in a
+    whole registered page was read at once (seventeenth session: the leading suspect, unconfirmed)."""
+    page_words = os.sysconf("SC_PAGE_SIZE") // 4
+    need = MASK_BUFFERS * rows * words + 2 * FLAGS
+    return -(-need // page_words) * page_words
 
 
 def mask_buffers(fd: int, rows: int, words: int):
@@ -61,7 +66,7 @@ def mask_buffers(fd: int, rows: int, words: int):
 
     count = MASK_BUFFERS * rows * words
     flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=mask_file_words(rows, words), dtype=torch.int32)
-    return flat[:count].view(MASK_BUFFERS, rows, words), flat[count:].view(torch.int64)
+    return flat[:count].view(MASK_BUFFERS, rows, words), flat[count:count + 2 * FLAGS].view(torch.int64)
 
 
 class Worker:
