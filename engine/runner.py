@@ -14,6 +14,7 @@ from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
 from engine.device_clock import DeviceClock
 from engine.mask_gate import MaskGate
+from engine.mask_gate import available as mask_gate_available
 from engine.malloc import trim_free_memory
 from engine.request import Request, TokenLogprob
 from engine.sampler import Sampler, logprob_table, read_logprobs
@@ -472,9 +473,8 @@ class ModelRunner:
         if not handle.request_ids:
             return RunnerOutput({}, {}, prompt_lps)
         if handle.masks is not None and self.mask_gate is not None:  # gated: its answers say which grammars broke
-            self.start_masks(handle)
             waited = time.perf_counter()
-            handle.masks.result()
+            handle.masks.result()  # sends its Step first if the engine has not
             self.mask_wait_s += time.perf_counter() - waited
             self.clock.lap("mask wait")
         if handle.done is not None:
@@ -496,10 +496,8 @@ class ModelRunner:
 def _mask_gate(structured, device: torch.device) -> MaskGate | None:
     """A MaskGate over the grammar processes' shared masks, once its wait passed its check on this device; None
     (the host waits for the masks) with the in-process matchers, without Triton, or where the check failed."""
-    from engine import mask_gate
-
     flags = getattr(structured, "flags", None)
-    if flags is None or not mask_gate.available() or not getattr(structured, "pinned", False):
+    if flags is None or not mask_gate_available() or not getattr(structured, "pinned", False):
         logger.info("grammar masks: the host waits for them (no grammar process with page-locked flags, or no "
                     "triton)")
         return None

@@ -212,9 +212,7 @@ class Masking:
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         """Disallowed tokens of the constrained rows get -inf, in place, on the logits' device."""
         if logits.is_cuda and self._use_own(logits):
-            in_order = len(batch.rows) == logits.shape[0] and batch.rows == list(range(len(batch.rows)))  # ~2 us
-            rows = None if in_order else self._to_device(_index(batch.rows, logits.device), logits.device)
-            mask_kernel.apply_mask(logits, self._to_device(batch.bitmask, logits.device), rows)
+            self._apply_own(logits, batch.rows, self._to_device(batch.bitmask, logits.device))
             return
         if self._kernel is None:
             apply_reference(logits, batch)
@@ -229,11 +227,15 @@ class Masking:
     def apply_on_device(self, logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
         """apply() with the masks already on the logits' device (engine/mask_gate.py copied them there)."""
         if self._use_own(logits):
-            in_order = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
-            index = None if in_order else _index(rows, logits.device).to(logits.device, non_blocking=True)
-            mask_kernel.apply_mask(logits, masks, index)
+            self._apply_own(logits, rows, masks)
         else:
             apply_reference(logits, MaskBatch(rows, masks))
+
+    def _apply_own(self, logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
+        """engine/mask_kernel.py on the logits' rows `rows` (an index only when they are not 0..n-1, ~2 us)."""
+        in_order = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
+        index = None if in_order else self._to_device(_index(rows, logits.device), logits.device)
+        mask_kernel.apply_mask(logits, masks, index)
 
     def _use_own(self, logits: torch.Tensor) -> bool:
         """Whether engine/mask_kernel.py runs on this device and dtype: checked against the reference once."""
