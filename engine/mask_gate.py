@@ -20,6 +20,7 @@ shutdown.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -31,6 +32,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 RELEASED = 2 ** 62  # a flag value past every step: nothing waits on it
+COPY_BLOCK = 4096  # int32 words a program of `_copy`
 MAX_READS = 1 << 24  # the Triton wait gives up after this many reads of host memory (~1 us each: seconds)
 
 
@@ -43,6 +45,14 @@ if triton is not None:
                 k += 1
             reads += 1
 
+    @triton.jit
+    def _copy(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+        """dst[:n] = src[:n], the source read by the SMs themselves (page-locked host memory, mapped): the copy
+        that cannot be staged by the driver, for hosts where cudaMemcpyAsync behind the wait blocks the host."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=inside, volatile=True), mask=inside)
+
 
 def available() -> bool:
     return triton is not None
@@ -51,6 +61,12 @@ def available() -> bool:
 def reached(flags: torch.Tensor, count: int, seq: int) -> bool:
     """The rule `_wait` waits for: every one of the first `count` flags is at least `seq`."""
     return bool((flags[:count] >= seq).all())
+
+
+def copy_rows(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """Queue, on the current stream, out.copy_(rows) by `_copy`. Both contiguous int32."""
+    n = rows.numel()
+    _copy[(triton.cdiv(n, COPY_BLOCK),)](rows, out, n, BLOCK=COPY_BLOCK, num_warps=4)
 
 
 def wait(flags: torch.Tensor, count: int, seq: int) -> None:
@@ -83,17 +99,20 @@ class MaskGate:
     """The side stream and the device's mask buffers: `masks` (host, shared with the grammar processes, page-locked)
     is copied buffer by buffer into `device_masks` once its flags are reached."""
 
-    def __init__(self, masks: torch.Tensor, flags: torch.Tensor, shards: int, device: torch.device) -> None:
+    WAITS = ("cuStreamWaitValue64", "triton")
+    COPIES = ("memcpy", "kernel")
+
+    def __init__(self, masks: torch.Tensor, flags: torch.Tensor, shards: int, device: torch.device,
+                 how: str = "triton", copy: str = "memcpy") -> None:
+        """how: one of WAITS (cuStreamWaitValue64 needs NVIDIA's cuda-python: an ImportError if absent); copy: one
+        of COPIES, cudaMemcpyAsync or the `_copy` kernel."""
         self.masks, self.flags, self.shards, self.device = masks, flags, shards, device
         self.device_masks = torch.empty(masks.shape, dtype=masks.dtype, device=device)
         self.stream = torch.cuda.Stream(device)
         self.freed = [None] * masks.shape[0]  # per buffer: an event after the last kernel that read its rows
-        self.how = "triton"
-        self._driver: DriverWait | None = None
-        try:
-            self._driver, self.how = DriverWait(flags), "cuStreamWaitValue64"
-        except Exception:  # noqa: BLE001 - no cuda-python, or no device address for the flags: Triton's wait
-            pass
+        self.how, self.copy = how, copy
+        self.stuck = False  # a failed check left work queued on the side stream that did not end
+        self._driver = DriverWait(flags) if how == "cuStreamWaitValue64" else None
 
     def _wait(self, seq: int) -> None:
         """Queue, on the side stream (current), the wait for every flag to reach seq."""
@@ -101,6 +120,12 @@ class MaskGate:
             self._driver(self.stream, self.shards, seq)
         else:
             wait(self.flags, self.shards, seq)
+
+    def _copy_rows(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.copy == "kernel":
+            copy_rows(out, rows)
+        else:
+            out.copy_(rows, non_blocking=True)
 
     def copy_when_filled(self, buffer: int, rows: int, seq: int) -> torch.Tensor:
         """The buffer's first `rows` rows on the device, copied once every flag reached `seq`; the current stream
@@ -111,33 +136,66 @@ class MaskGate:
                 self.stream.wait_event(self.freed[buffer])
             self._wait(seq)
             out = self.device_masks[buffer, :rows]
-            out.copy_(self.masks[buffer, :rows], non_blocking=True)
+            self._copy_rows(out, self.masks[buffer, :rows])
         main.wait_stream(self.stream)
         return out
 
     def check(self, timeout_s: float = 5.0) -> str | None:
-        """None if the wait works here: one already met (step 0: the flags start at 0, and steps are numbered from
-        1) returns, and one the host meets later (the flags raised to RELEASED) waits until then; with the shard
-        count it will serve (Triton compiles a count of 1 apart). Else why not (the engine then waits for the
-        masks on the host). On failure the flags are left RELEASED, so nothing queued stays waiting."""
+        """None if the gate works here, else why not (the engine then waits for the masks on the host). It must:
+        return for a wait already met (step 0: the flags start at 0, and steps are numbered from 1); queue the copy
+        behind an unmet wait without blocking the host (a driver that stages the copy through pageable memory
+        would wait for the wait, and the host, which raises the flags, with it); and end that wait once the host
+        raises the flags. A watchdog thread raises them after `timeout_s` whatever happens, so the check itself
+        cannot hang. On failure the flags are left RELEASED, so nothing queued stays waiting."""
         try:
-            for seq, raise_flags in ((0, False), (RELEASED, True)):
-                with torch.cuda.stream(self.stream):
-                    self._wait(seq)
-                done = torch.cuda.Event()
-                done.record(self.stream)
-                if raise_flags:
-                    if _finished(done, 0.05):
-                        return "the wait did not wait"
-                    self.flags[:self.shards] = RELEASED
-                if not _finished(done, timeout_s):
-                    self.flags[:self.shards] = RELEASED
-                    return f"the wait ({self.how}) did not end within {timeout_s} s"
-            self.flags[:self.shards] = 0
+            why = self._check_met(timeout_s) or self._check_unmet(timeout_s)
         except Exception as exc:  # noqa: BLE001 - reported; the host waits instead
-            self.flags[:self.shards] = RELEASED
-            return f"{self.how}: {type(exc).__name__}: {exc}"[:300]
+            self._release()
+            why = f"{type(exc).__name__}: {exc}"[:300]
+        if why is not None and not _finished(_recorded(self.stream), timeout_s):
+            self.stuck = True  # its stream still waits, flags RELEASED: nothing else should reset them
+        return why
+
+    def _check_met(self, timeout_s: float) -> str | None:
+        with torch.cuda.stream(self.stream):
+            self._wait(0)
+        if not _finished(_recorded(self.stream), timeout_s):
+            self._release()
+            return f"a met wait ({self.how}) did not end within {timeout_s} s"
         return None
+
+    def _check_unmet(self, timeout_s: float) -> str | None:
+        watchdog = threading.Timer(timeout_s, self._release)  # should the copy below block the host
+        watchdog.start()
+        try:
+            why = self._queue_unmet_and_raise(timeout_s)
+        finally:
+            watchdog.cancel()
+            watchdog.join()
+        if why is None:
+            self.flags[:self.shards] = 0  # only now: a watchdog firing after this would leave every wait met
+        return why
+
+    def _queue_unmet_and_raise(self, timeout_s: float) -> str | None:
+        with torch.cuda.stream(self.stream):
+            self._wait(RELEASED)
+            queued = time.monotonic()
+            self._copy_rows(self.device_masks[0, :1], self.masks[0, :1])  # as copy_when_filled queues it
+            copy_s = time.monotonic() - queued
+        done = _recorded(self.stream)
+        if copy_s > timeout_s / 2:
+            self._release()
+            return f"the copy behind the wait ({self.how}) blocked the host for {copy_s:.2f} s"
+        if _finished(done, 0.05):
+            self._release()
+            return "the wait did not wait"
+        self._release()
+        if not _finished(done, timeout_s):
+            return f"the wait ({self.how}) did not end within {timeout_s} s of the flags' raise"
+        return None
+
+    def _release(self) -> None:
+        self.flags[:self.shards] = RELEASED
 
     def used(self, buffer: int) -> None:
         """The current stream's kernels that read the buffer's device rows are queued: the next copy into it waits
@@ -145,6 +203,12 @@ class MaskGate:
         event = torch.cuda.Event()
         event.record()
         self.freed[buffer] = event
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def _finished(event: torch.cuda.Event, timeout_s: float) -> bool:

@@ -501,10 +501,25 @@ def _mask_gate(structured, device: torch.device) -> MaskGate | None:
         logger.info("grammar masks: the host waits for them (no grammar process with page-locked flags, or no "
                     "triton)")
         return None
-    gate = MaskGate(structured.masks, flags, len(structured.shards), device)
-    why = gate.check()
-    if why is not None:
-        logger.warning("grammar masks: the device cannot wait for them (%s): the host does", why)
+    for how, copy in itertools.product(MaskGate.WAITS, MaskGate.COPIES):  # the first that passes its check
+        gate = _checked_gate(structured, flags, device, how, copy)
+        if gate is not None and gate.stuck:  # its stream still waits: trying another would reset the flags
+            break
+        if gate is not None:
+            logger.info("grammar masks: the device waits for them (%s, %s copy; engine/mask_gate.py)", how, copy)
+            return gate
+    logger.warning("grammar masks: the device cannot wait for them here: the host does")
+    return None
+
+
+def _checked_gate(structured, flags, device: torch.device, how: str, copy: str) -> MaskGate | None:
+    try:
+        gate = MaskGate(structured.masks, flags, len(structured.shards), device, how, copy)
+    except Exception as exc:  # noqa: BLE001 - e.g. no cuda-python for the driver's wait
+        logger.info("grammar masks: no %s wait (%s: %s)", how, type(exc).__name__, exc)
         return None
-    logger.info("grammar masks: the device waits for them (engine/mask_gate.py)")
-    return gate
+    why = gate.check()
+    if why is None:
+        return gate
+    logger.warning("grammar masks: %s with the %s copy failed its check (%s)", how, copy, why)
+    return gate if gate.stuck else None  # a stuck one: the caller tries no other
