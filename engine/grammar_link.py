@@ -56,6 +56,10 @@ logger = logging.getLogger(__name__)
 # its own on such a host; on a smaller one it would take the worker's. Unmeasured on the GPU host so far.
 SPIN_S = 0.003
 SPIN_MIN_CORES = 8
+# A step reserved and not sent this long means the engine thread waits for the device, which waits for that
+# step's masks (watch_reserved). Between the two the engine reads the previous step (milliseconds; a long
+# prefill step stays under a second).
+STALL_S = 10.0
 
 
 class Shard:
@@ -152,6 +156,10 @@ class GrammarLink:
         self._seqs = itertools.count(1)  # the flags start at 0: step 0 would count as filled
         self._buffer = 0
         self._outstanding: PendingMasks | None = None
+        self._unsent: tuple[int, float] | None = None  # (seq, time.monotonic()) of a step reserved, not yet sent
+        self._watch: threading.Thread | None = None  # watch_reserved
+        self._closed = threading.Event()
+        self.stalled = False  # a reserved step stayed unsent: the device no longer waits (watch_reserved)
         self.worker_s = dict.fromkeys(WORKER_TIMES, 0.0)  # per step the slowest shard's, summed
         self.restarts = 0  # workers started after one died
         self._encoder = msgspec.msgpack.Encoder()
@@ -227,6 +235,7 @@ class GrammarLink:
             raise RuntimeError(f"{len(rows)} constrained rows in a step; the masks hold {self.rows} (max_num_seqs)")
         pending = PendingMasks(self, None, rows, grammars, self._buffer, next(self._seqs))
         self._buffer = (self._buffer + 1) % MASK_BUFFERS
+        self._unsent = (pending.seq, time.monotonic())
         return pending
 
     def send(self, pending: PendingMasks) -> None:
@@ -248,7 +257,7 @@ class GrammarLink:
             step.flag = shard.index
             shard.worker.send_step(self._encoder.encode(step))
             pending.sent.append((shard, shard.worker, time.monotonic()))
-        self._outstanding = pending
+        self._outstanding, self._unsent = pending, None
 
     def release(self, pending: PendingMasks) -> None:
         """A reserved step that will not be sent (its sampling failed): whatever waits on its flags goes on.
@@ -259,6 +268,7 @@ class GrammarLink:
             self._outstanding.result()
         for shard in self.shards:
             self._raise_flag(shard, pending.seq)
+        self._unsent = None
 
     def fill(self, requests: list[Request]) -> MaskBatch | None:
         pending = self.start_fill(requests)
@@ -315,8 +325,34 @@ class GrammarLink:
     def apply(self, logits: torch.Tensor, batch: MaskBatch) -> None:
         self._masking.apply(logits, batch)
 
-    def apply_on_device(self, logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
-        self._masking.apply_on_device(logits, rows, masks)
+    def masks_on_device(self, logits: torch.Tensor) -> bool:
+        return self._masking.masks_on_device(logits)
+
+    def row_index(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        return self._masking.row_index(logits, rows)
+
+    def apply_on_device(self, logits: torch.Tensor, masks: torch.Tensor, index: torch.Tensor | None) -> None:
+        self._masking.apply_on_device(logits, masks, index)
+
+    # ---- the device's wait, watched -------------------------------------------------------------
+    def watch_reserved(self) -> None:
+        """Watch, from a thread, for a reserved step left unsent STALL_S (the device waits for its flags, and
+        only send raises them): then raise every flag and set `stalled`, so the runner stops gating. Nothing the
+        engine does between reserve and send should wait for the device (engine/runner.py _sample_gated); should
+        something do so anyway, that step's masks are stale (its matchers refuse what it sampled, failing those
+        requests), instead of the engine hanging for good."""
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._watch_loop, name="kvserve-mask-watch", daemon=True)
+            self._watch.start()
+
+    def _watch_loop(self) -> None:
+        while not self._closed.wait(STALL_S / 10):
+            unsent = self._unsent
+            if unsent is not None and time.monotonic() - unsent[1] > STALL_S and self._unsent is unsent:
+                logger.error("grammar masks: step %d was reserved %.0f s ago and not sent; raising the flags",
+                             unsent[0], time.monotonic() - unsent[1])
+                self.stalled = True
+                self.flags.fill_(RELEASED)
 
     # ---- the workers' lives ----------------------------------------------------------------------
     def _check_workers(self) -> None:
@@ -336,6 +372,7 @@ class GrammarLink:
             self._workers.append(shard.worker)
 
     def shutdown(self) -> None:
+        self._closed.set()
         for shard in self.shards:
             shard.worker.stop()
         self.flags.fill_(RELEASED)  # a wait still queued on the device returns

@@ -205,6 +205,24 @@ class MaskGate:
         self.freed[buffer] = event
 
 
+class HostRing:
+    """Page-locked int64 rows for the gated steps' tokens, allocated once: allocating page-locked memory between
+    the device's wait and the send of its masks could wait for the device (cudaHostAlloc), and so for good. A
+    slot comes back SLOTS steps later; the engine reads a step's tokens at most two steps after its launch."""
+
+    SLOTS = 8
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self._slots = torch.empty((self.SLOTS, width), dtype=torch.int64, pin_memory=True)
+        self._next = 0
+
+    def next(self, n: int) -> torch.Tensor:
+        slot = self._slots[self._next, :n]
+        self._next = (self._next + 1) % self.SLOTS
+        return slot
+
+
 def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
     event = torch.cuda.Event()
     event.record(stream)

@@ -13,7 +13,7 @@ from attention.base import PAD_SLOT_ID, GraphSupport
 from attention.metadata import AttentionMetadataBuilder, SeqSpec
 from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS, CudaGraphSteps, decode_graph_sizes, mixed_graph_sizes
 from engine.device_clock import DeviceClock
-from engine.mask_gate import MaskGate
+from engine.mask_gate import HostRing, MaskGate
 from engine.mask_gate import available as mask_gate_available
 from engine.malloc import trim_free_memory
 from engine.request import Request, TokenLogprob
@@ -216,6 +216,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.structured = None  # engine.structured.StructuredOutputs, set by the engine when it has a tokenizer
         self.mask_gate: MaskGate | None = None  # the device waits for grammar masks (use_structured)
+        self._gated_host: HostRing | None = None  # the gated steps' tokens, page-locked once (_sample_gated)
+        self.max_num_seqs = max_num_seqs
         self.masked_steps, self.mask_wait_s = 0, 0.0  # steps sampled under grammar masks; their wait for them
         self.clock = StepClock()  # the host's sections (the engine gives its own), and the device's parts:
         self.device_clock = DeviceClock(device.type == "cuda")
@@ -278,6 +280,9 @@ class ModelRunner:
             logger.exception("warming up the grammar-mask kernel failed")
         if wait in ("auto", "device"):  # last: a wait that failed its check may still hold its side stream
             self.mask_gate = _mask_gate(structured, self.device)
+            if self.mask_gate is not None:
+                self._gated_host = HostRing(self.max_num_seqs)
+                structured.watch_reserved()
 
     def _check_warm(self) -> None:
         # A changed thread count would make every matmul shape a primitive-cache miss, built lazily while
@@ -347,11 +352,11 @@ class ModelRunner:
             self.device_clock.launched(handle.marks)
         elif not self.needs_masks(inputs.sample_requests):
             self.sample(handle)
-        elif self.mask_gate is not None:  # sampled now: the device waits for the masks (engine/mask_gate.py)
-            self._sample_gated(handle)
-        else:  # its sampling up to the masks, queued now: the device runs it while they fill
-            handle.presampled = self.sampler.presample(handle.logits, handle.requests)
-            self.clock.lap("sample")
+        else:  # its sampling up to the masks, queued now: the device runs it while they fill, or waits for them
+            scores = self.sampler.presample(handle.logits, handle.requests)
+            if not self._sample_gated(handle, scores):
+                handle.presampled = scores
+                self.clock.lap("sample")
         self._last = handle
         return handle
 
@@ -368,36 +373,47 @@ class ModelRunner:
         elif getattr(handle.masks, "sent", True) is None:  # reserved by _sample_gated, not sent yet
             self.structured.send(handle.masks)
 
-    def _sample_gated(self, handle: StepHandle) -> None:
+    def _sample_gated(self, handle: StepHandle, scores: torch.Tensor | None) -> bool:
         """Queue a constrained step's sampling behind the device's wait for its masks (reserved now, sent by
-        start_masks once the previous step's tokens are consumed); a failure releases them."""
-        logits, handle.logits = handle.logits, None
-        pending = handle.masks = self.structured.reserve(handle.requests)
+        start_masks once the previous step's tokens are consumed); a failure releases them. From the wait's
+        queueing to that send the host may make no call that waits for the device, which waits for masks only
+        the send asks for: no page-locked allocation (cudaHostAlloc), no copy from pageable memory, no read of
+        a result. So the row index and the tokens' host buffer (HostRing) are staged before the wait, and only
+        kernels are queued after it. False, nothing queued: no gate (or it stalled: GrammarLink.watch_reserved),
+        a row needs the masked logits themselves (scores None: logprobs, top-k, ...), or more rows than HostRing
+        holds; the host then waits for these masks."""
+        if self.mask_gate is not None and self.structured.stalled:
+            logger.error("grammar masks: the device's wait stalled; the host waits for them from now on")
+            self.mask_gate = None
+        if (self.mask_gate is None or scores is None or len(handle.requests) > self._gated_host.width
+                or not self.structured.masks_on_device(scores)):
+            return False
+        handle.logits, pending = None, self.structured.reserve(handle.requests)
+        handle.masks = pending
         try:
-            scores = self.sampler.presample(logits, handle.requests)
+            index, host = self.structured.row_index(scores, pending.rows), self._gated_host.next(len(handle.requests))
             device_masks = self.mask_gate.copy_when_filled(pending.buffer, len(pending.rows), pending.seq)
             sample_start = self.device_clock.mark()
-            self.structured.apply_on_device(scores if scores is not None else logits, pending.rows, device_masks)
-            if scores is not None:
-                handle.tokens, handle.token_lp = scores.argmax(dim=-1), None
-            else:
-                handle.tokens, handle.token_lp = self.sampler.sample_on_device(logits, handle.requests)
+            self.structured.apply_on_device(scores, device_masks, index)
+            handle.tokens, handle.token_lp = scores.argmax(dim=-1), None
             self.mask_gate.used(pending.buffer)
         except BaseException:
             self.structured.release(pending)
             handle.masks = None
             raise
         self.masked_steps += 1
-        self._tokens_to_host(handle, sample_start)
+        self._tokens_to_host(handle, sample_start, host)
+        return True
 
-    def _tokens_to_host(self, handle: StepHandle, sample_start) -> None:
+    def _tokens_to_host(self, handle: StepHandle, sample_start, host: torch.Tensor | None = None) -> None:
         """Queue the sampled tokens' copy (with their logprobs, when asked: logprob_table) to page-locked host
         memory and the step's last device events: collect() then waits for an event, never for the stream."""
         source = handle.tokens
         if handle.token_lp is not None:
             source = logprob_table(handle.token_lp, handle.tokens, [r.sampling_params for r in handle.requests])
             handle.token_lp, handle.with_logprobs = None, True
-        handle.host_tokens = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        handle.host_tokens = host if host is not None else torch.empty(source.shape, dtype=source.dtype,
+                                                                       pin_memory=True)
         handle.host_tokens.copy_(source, non_blocking=True)
         handle.done = self.device_clock.mark()
         if handle.marks is not None:
@@ -472,7 +488,7 @@ class ModelRunner:
         prompt_lps = handle.prompt_logprobs or {}
         if not handle.request_ids:
             return RunnerOutput({}, {}, prompt_lps)
-        if handle.masks is not None and self.mask_gate is not None:  # gated: its answers say which grammars broke
+        if handle.masks is not None:  # gated (sample() took the others' masks): its answers say which grammars broke
             waited = time.perf_counter()
             handle.masks.result()  # sends its Step first if the engine has not
             self.mask_wait_s += time.perf_counter() - waited

@@ -224,18 +224,25 @@ class Masking:
             mask = full
         self._kernel(logits, mask, vocab_size=min(logits.shape[1], mask.shape[1] * 32))
 
-    def apply_on_device(self, logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
-        """apply() with the masks already on the logits' device (engine/mask_gate.py copied them there)."""
-        if self._use_own(logits):
-            self._apply_own(logits, rows, masks)
-        else:
-            apply_reference(logits, MaskBatch(rows, masks))
+    def masks_on_device(self, logits: torch.Tensor) -> bool:
+        """Whether apply_on_device can run on these logits (kvserve's kernel passed its check for them)."""
+        return logits.is_cuda and self._use_own(logits)
+
+    def row_index(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """What apply_on_device takes for these rows: None when they are 0..n-1, else their index, staged now
+        (a page-locked copy: engine/runner.py _sample_gated stages it before the device waits for the masks)."""
+        if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+            return None
+        return self._to_device(_index(rows, logits.device), logits.device)
+
+    def apply_on_device(self, logits: torch.Tensor, masks: torch.Tensor, index: torch.Tensor | None) -> None:
+        """apply() with the masks already on the logits' device (engine/mask_gate.py copied them there), for the
+        rows of row_index. Only kernels are queued: masks_on_device must hold."""
+        mask_kernel.apply_mask(logits, masks, index)
 
     def _apply_own(self, logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
         """engine/mask_kernel.py on the logits' rows `rows` (an index only when they are not 0..n-1, ~2 us)."""
-        in_order = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
-        index = None if in_order else self._to_device(_index(rows, logits.device), logits.device)
-        mask_kernel.apply_mask(logits, masks, index)
+        mask_kernel.apply_mask(logits, masks, self.row_index(logits, rows))
 
     def _use_own(self, logits: torch.Tensor) -> bool:
         """Whether engine/mask_kernel.py runs on this device and dtype: checked against the reference once."""

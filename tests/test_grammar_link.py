@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine import grammar_link, mask_gate
 from engine.grammar_link import GrammarLink, mask_dir
 from engine.llm import LLM
 from engine.request import SamplingParams, StructuredOutput
@@ -240,6 +241,25 @@ def test_flags_rise_for_lost_workers_and_released_steps(link):
     assert bool((batch.bitmask == -1).all()) and rows[0].grammar.error()
     link.release(pending)  # sent already: nothing to release
     assert int(link.flags[0]) == pending.seq
+
+
+def test_a_reserved_step_left_unsent_raises_the_flags_and_stops_the_gate(link, monkeypatch):
+    """The watch (GrammarLink.watch_reserved): a step sent within STALL_S leaves the flags alone; one reserved
+    and never sent (the engine thread stuck waiting for the device) gets every flag raised and `stalled` set."""
+    monkeypatch.setattr(grammar_link, "STALL_S", 0.3)
+    link.watch_reserved()
+    so = StructuredOutput(json=json.dumps(SCHEMA))
+    rows = [SimpleNamespace(grammar=link.new_grammar(link.compile(so)))]
+    sent = link.start_fill(rows)
+    sent.result()
+    time.sleep(0.6)
+    assert not link.stalled and int(link.flags[0]) == sent.seq
+    stuck = link.reserve(rows)
+    deadline = time.monotonic() + 5
+    while not link.stalled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert link.stalled and int(link.flags[0]) == mask_gate.RELEASED > stuck.seq
+    stuck.result()  # sent late: its worker still consumes and fills
 
 
 def test_preemption_with_a_tiny_pool(tiny_model_dir, local):
@@ -501,8 +521,6 @@ def test_the_engine_spins_for_an_answer_and_a_hang_up_ends_the_spin(link, monkey
     wait's; a worker killed while the engine spins (stopped first, so it cannot answer) ends the wait at
     once: its rows allow every token and its grammars are broken."""
     import threading
-
-    from engine import grammar_link
 
     monkeypatch.setattr(grammar_link, "POLL_MS", 10_000)  # a spin is capped at the wait's own timeout
     compiled = link.compile(StructuredOutput(choice=["yes", "no"]))
