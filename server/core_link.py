@@ -76,7 +76,14 @@ class CoreLink:
 
 
 def summed(stats: list[CoreStats]) -> CoreStats:
-    """Every counter of several cores added up (one core's stats as they are)."""
+    """Every counter of several cores added up, the lists (seconds by section or part) element by element;
+    one core's stats as they are."""
     if len(stats) == 1:
         return stats[0]
-    return CoreStats(*(sum(getattr(s, f) for s in stats) for f in CoreStats.__struct_fields__))
+    return CoreStats(*(_sum([getattr(s, f) for s in stats]) for f in CoreStats.__struct_fields__))
+
+
+def _sum(values: list):
+    if not isinstance(values[0], list):
+        return sum(values)
+    return [sum(v[i] for v in values if len(v) > i) for i in range(max(map(len, values)))]

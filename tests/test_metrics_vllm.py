@@ -139,6 +139,17 @@ def test_engine_series_are_labelled_per_engine_core():
     assert m['vllm:e2e_request_latency_seconds_count{engine="1",model_name="m"}'] == 0
 
 
+def test_the_cores_stats_sum_counters_and_their_lists_element_by_element():
+    """Several engine cores' CoreStats (what /metrics reads before the cores are named): counters add up, the
+    seconds by section add up section by section, a core that reported fewer sections counts 0 for the rest."""
+    from server.core_link import summed
+
+    total = summed([CoreStats(num_running=1, busy_seconds=0.5, section_seconds=[1.0, 2.0]),
+                    CoreStats(num_running=2, busy_seconds=0.25, section_seconds=[0.5])])
+    assert (total.num_running, total.busy_seconds, total.section_seconds) == (3, 0.75, [1.5, 2.0])
+    assert total.device_seconds == []
+
+
 def test_kvserve_engine_series_are_summed_over_cores_and_labelled_per_core():
     """The plain kvserve_* engine series are the cores' sum (one core: its own numbers, as before data
     parallel); kvserve_core_*{engine="i"} are each core's, of the same type."""
