@@ -42,6 +42,7 @@ class EngineStats:
     busy_seconds: float = 0.0  # time spent in step(), summed
     section_seconds: list[float] | None = None  # the same by section (engine/step_clock.py SECTIONS), summed
     device_seconds: list[float] | None = None  # the device's time by part (step_clock.DEVICE_PARTS), on CUDA
+    grammar_worker_seconds: list[float] | None = None  # the grammar processes' by part (WORKER_TIMES), if any
 
 
 class LLMEngine:
@@ -386,4 +387,5 @@ class LLMEngine:
         return EngineStats(self.scheduler.stats(), self._prompt_tokens, self._generation_tokens,
                            self._idle_violations, self._steps, getattr(self.structured, "restarts", 0),
                            self.runner.masked_steps, self.runner.mask_wait_s, self._busy_s,
-                           self.clock.totals(), self.runner.device_clock.totals())
+                           self.clock.totals(), self.runner.device_clock.totals(),
+                           list(getattr(self.structured, "worker_s", {}).values()))

@@ -38,7 +38,7 @@ import torch
 
 from engine.config import usable_cores
 from engine.grammar import LRU, GrammarLimits
-from engine.grammar_messages import Compile, Filled, NewMatcher, Step
+from engine.grammar_messages import WORKER_TIMES, Compile, Filled, NewMatcher, Step
 from engine.grammar_process import (LOST, POLL_MS, READY_TIMEOUT_S, GrammarProcess, GrammarProcessError,  # noqa: F401
                                     kill_all)
 from engine.grammar_worker import FLAGS, MASK_BUFFERS, OTHERS, WorkerSpec, mask_buffers, mask_file_words
@@ -387,9 +387,6 @@ def fill_threads_per_process(processes: int, asked: int | None = None) -> int | 
     if asked is not None:
         return asked
     return None if processes == 1 else max(1, usable_cores() // (2 * processes))
-
-
-WORKER_TIMES = ("accept", "fill", "Step reaches it", "answer read after it was sent while waiting")
 
 
 def _worker_times(filled: Filled, sent_at: float, waiting_from: float) -> tuple[float, ...]:

@@ -14,6 +14,11 @@ import msgspec
 
 from engine.request import StructuredOutput
 
+# The grammar processes' time per constrained step, by part (the slowest shard's, summed over steps:
+# GrammarLink.worker_s, kvserve_grammar_worker_seconds): consuming the tokens, filling the masks, the Step's way
+# to the process, and how long the engine read the answer after it was sent, counted while the engine waited.
+WORKER_TIMES = ("accept", "fill", "Step reaches it", "answer read after it was sent while waiting")
+
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
     error: str | None = None  # the worker could not start

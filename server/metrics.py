@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.grammar_messages import WORKER_TIMES
 from engine.step_clock import DEVICE_PARTS, SECTIONS
 from server.metrics_vllm import VllmEngineCollector, VllmRequestMetrics
 
@@ -69,6 +70,9 @@ class _EngineStatsCollector:
         yield _by_label(engines, "device_seconds", DEVICE_PARTS, "kvserve_engine_device_seconds", "part",
                         "the device's time on the engine's steps by part, idle gaps included (engine/device_clock.py; "
                         "CUDA only; all engine cores)")
+        yield _by_label(engines, "grammar_worker_seconds", WORKER_TIMES, "kvserve_grammar_worker_seconds", "part",
+                        "the grammar processes' time on constrained steps by part, the slowest process's per step "
+                        "(engine/grammar_messages.py WORKER_TIMES; all engine cores)")
 
 
 def _by_label(engines: list, attr: str, names: tuple[str, ...], family_name: str, label: str,

@@ -15,6 +15,7 @@ import torch
 
 from engine import grammar_link, mask_gate
 from engine.grammar_link import GrammarLink, mask_dir
+from engine.grammar_messages import WORKER_TIMES
 from engine.llm import LLM
 from engine.request import SamplingParams, StructuredOutput
 from engine.structured import StructuredOutputs
@@ -432,6 +433,8 @@ def test_server_survives_its_grammar_process_killed(tiny_model_dir):
         in_steps = sum(v for k, v in sections.items() if k != "core loop")  # the laps cover each step whole
         assert in_steps == pytest.approx(metrics["kvserve_engine_busy_seconds_total"], rel=0.02, abs=0.005)
         assert sections["mask wait"] >= waited and sections["sample"] > 0 and sections["core loop"] > 0
+        worker = {k.split('"')[1]: v for k, v in metrics.items() if k.startswith("kvserve_grammar_worker_seconds")}
+        assert set(worker) == set(WORKER_TIMES) and 0 < worker["fill"] < metrics["kvserve_engine_busy_seconds_total"]
         children = psutil.Process(proc.pid).children(recursive=True)
         assert stop_process(proc)[0] == 0
         assert not [p for p in psutil.wait_procs(children, timeout=10)[1]]

@@ -59,7 +59,7 @@ def core_stats(engine) -> CoreStats:
                      s.generation_tokens_total, s.idle_invariant_violations, s.num_steps,
                      q.num_running + q.num_waiting, s.grammar_process_restarts, s.structured_steps,
                      s.structured_mask_wait_seconds, s.busy_seconds, s.section_seconds or [],
-                     s.device_seconds or [])
+                     s.device_seconds or [], s.grammar_worker_seconds or [])
 
 
 def to_delta(out: StepOutput) -> TokenDelta:

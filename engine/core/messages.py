@@ -84,6 +84,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     busy_seconds: float = 0.0  # the engine's time in its steps, summed
     section_seconds: list[float] = msgspec.field(default_factory=list)  # the same by section (step_clock.SECTIONS)
     device_seconds: list[float] = msgspec.field(default_factory=list)  # the device's, by part (step_clock.DEVICE_PARTS)
+    grammar_worker_seconds: list[float] = msgspec.field(default_factory=list)  # by part (WORKER_TIMES)
 
     def as_dead(self) -> CoreStats:
         """A dead core's stats: it holds nothing, so the gauges read 0; the cumulative counters keep their last
