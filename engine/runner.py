@@ -388,8 +388,8 @@ class ModelRunner:
         if (self.mask_gate is None or scores is None or len(handle.requests) > self._gated_host.width
                 or not self.structured.masks_on_device(scores)):
             return False
-        handle.logits, pending = None, self.structured.reserve(handle.requests)
-        handle.masks = pending
+        pending = handle.masks = self.structured.reserve(handle.requests)
+        handle.logits = None
         try:
             index, host = self.structured.row_index(scores, pending.rows), self._gated_host.next(len(handle.requests))
             device_masks = self.mask_gate.copy_when_filled(pending.buffer, len(pending.rows), pending.seq)
