@@ -282,7 +282,20 @@ class ModelRunner:
             self.mask_gate = _mask_gate(structured, self.device)
             if self.mask_gate is not None:
                 self._gated_host = HostRing(self.max_num_seqs)
+                self._load_gated_kernels()
                 structured.watch_reserved()
+
+    def _load_gated_kernels(self) -> None:
+        """Launch once, now, every kernel _sample_gated queues behind the device's wait. CUDA loads a kernel at its
+        first launch (lazy module loading, the default since CUDA 12.2), and a load can synchronize the context:
+        behind a wait whose masks are not yet asked for, that never returns. On an H100 the gate's kernel-level
+        test hung that way (its first int64 sum was queued behind the wait) while the engine, whose kernels had
+        all run before, did not (docs/benchmarks.md, eighteenth session). argmax's reduction kernels differ by
+        dtype and by the rows' count (its vectorization): each dtype at a spread of counts."""
+        counts = sorted({1, 2, 3, 4, 8, 16, 64, 256, self.max_num_seqs} & set(range(1, self.max_num_seqs + 1)))
+        for dtype, rows in itertools.product((self.dtype, torch.float32), counts):
+            torch.zeros(rows, self.vocab_size, dtype=dtype, device=self.device).argmax(dim=-1)
+        torch.cuda.synchronize(self.device)
 
     def _check_warm(self) -> None:
         # A changed thread count would make every matmul shape a primitive-cache miss, built lazily while

@@ -75,6 +75,9 @@ def test_on_cuda_the_copy_waits_for_the_flags_the_host_raises(how, copy):
         pytest.importorskip("cuda.bindings")
     f, masks, flags = page_locked_flags_and_masks(8, 4099)
     device = torch.device("cuda")
+    # Loaded now: a kernel's first launch (lazy module loading) behind the unmet wait would wait for it, and so
+    # would the host, which raises the flags (this test hung so on an H100: engine/runner.py _load_gated_kernels).
+    torch.ones(5, 4099, dtype=torch.int32, device=device).sum(dtype=torch.int64).item()
     gate = mask_gate.MaskGate(masks, flags, 2, device, how, copy)
     try:
         why = gate.check()

@@ -1,7 +1,8 @@
 """Which host calls block while the device waits for grammar masks (engine/mask_gate.py): each case queues, on a
 side stream, a wait for a flag the host has not raised, makes the main stream wait for it (as copy_when_filled
 does), then times one host call. A thread raises the flag after HOLD_S, so a call that blocks returns after
-~HOLD_S instead of hanging. Between GrammarLink.reserve and send no call may block: the host raises the flags
+~HOLD_S instead of hanging. A torch kernel launched for the first time is loaded then
+(CUDA's lazy module loading), which can synchronize the context. Between GrammarLink.reserve and send no call may block: the host raises the flags
 only by sending. Each case in a subprocess.
     PYTHONPATH=.:/tmp/site python3 docs/results/2026-12-07-s18/sync_probe.py [case ...]"""
 import subprocess, sys
@@ -13,12 +14,12 @@ CASES = {
     "pinned-h2d": "torch.tensor([1, 2, 3], dtype=torch.long).pin_memory().to('cuda', non_blocking=True)",
     "pageable-h2d": "torch.tensor([1, 2, 3], dtype=torch.long).to('cuda', non_blocking=True)",
     "cuda-alloc": "torch.empty(1 << 30, dtype=torch.uint8, device='cuda')",
-    "triton-compile": "fresh_kernel()",
+    "fresh-torch-kernel": "torch.arange(7, device='cuda', dtype=torch.float64).cumsum(0)",
+    "loaded-torch-kernel": "warm.sum()",
     "event-record": "torch.cuda.Event().record()",
 }
 BODY = """
 import threading, time, torch
-import triton, triton.language as tl
 from engine import mask_gate
 from engine.grammar_link import _pin
 import os, tempfile
@@ -32,12 +33,8 @@ try:
 except Exception:
     how = "triton"
     gate = mask_gate.MaskGate(flat[:1024].view(1, 1, 1024), flags, 2, torch.device('cuda'), how)
-@triton.jit
-def _fresh(x_ptr):
-    tl.store(x_ptr, tl.load(x_ptr) + 1)
-def fresh_kernel():
-    _fresh[(1,)](torch.zeros(1, device='cuda'))
-torch.zeros(1, device='cuda').sum().item()
+warm = torch.ones(4, device='cuda')
+warm.sum().item()  # loaded before the wait
 HOLD_S = 3.0
 threading.Timer(HOLD_S, lambda: flags.fill_(2 ** 62)).start()
 t = time.monotonic()
