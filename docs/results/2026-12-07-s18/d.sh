@@ -3,7 +3,7 @@
 # so xgrammar imports: call C's server ran llguidance for every mask, .carry/extra): which host calls block behind
 # the device's wait (sync_probe.py: a torch kernel's first launch?), then kvserve alone, W-B greedy json 0/20/100%,
 # the device waiting for the masks, then the host (pipeline), in what is left of LIMIT_S.
-#   LIMIT_S=400 bash docs/results/2026-12-07-s18/d.sh
+#   LIMIT_S=400 bash docs/results/2026-12-07-s18/d.sh      (WAITS=device: that variant only)
 set -u
 out="${OUT:-./gpu-out}"; start=$(date +%s); mkdir -p "$out"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpu.txt"
@@ -12,8 +12,9 @@ export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 python3 -c "import xgrammar; print('xgrammar', xgrammar.__version__)" 2>&1 | tail -1
 timeout -s KILL 70 python3 docs/results/2026-12-07-s18/sync_probe.py nothing fresh-torch-kernel loaded-torch-kernel \
   pinned-alloc pageable-h2d cuda-alloc 2>&1 | grep -v "Warning\|warn(" | tee "$out/sync_probe.txt"
-each=$(( (${LIMIT_S:-400} - 10 - $(date +%s) + start) / 2 - 10 ))
-for wait in device pipeline; do
+waits="${WAITS:-device pipeline}"; n=$(echo $waits | wc -w)
+each=$(( (${LIMIT_S:-400} - 10 - $(date +%s) + start) / n - 10 ))
+for wait in $waits; do
   echo "== $wait: ${each} s"
   timeout $((each + 8)) python3 benchmarks/online_pair.py --no-vllm --repeat 3 --deadline-s "$each" \
     --min-phase-s 40 --kvserve-args "--structured-outputs-wait $wait" --out "$out/$wait.json" \
