@@ -339,8 +339,11 @@ class LLMEngine:
 
     def _advance_grammar(self, req: Request, token: int) -> None:
         """The matcher consumes the token; one it refuses (the mask was bypassed) ends the request. EOS is
-        allowed only where the grammar ends: with ignore_eos the request goes on, unconstrained from there."""
-        if token in req.eos_token_ids and req.sampling_params.ignore_eos:
+        allowed only where the grammar ends: with ignore_eos the request goes on, unconstrained from there, unless
+        its grammar broke (its grammar process was lost: that step's rows allowed every token, EOS included; on
+        an H100 the gated engine sampled EOS there once, and the request went on unconstrained)."""
+        broken = getattr(req.grammar, "broken", None)  # a grammar process's matcher, known broken before its accept
+        if token in req.eos_token_ids and req.sampling_params.ignore_eos and broken is None:
             req.grammar = None
             return
         if req.grammar.accept(token) or req.is_finished:
