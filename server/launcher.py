@@ -89,17 +89,21 @@ def _supervise(specs: list[FrontendSpec], handle: EngineCoreHandle) -> int:
 
 
 def _wait_for_front_ends(procs: list) -> int:
+    """Until every front end has exited. A stop signal is passed on to them all; once one came, their exits (a
+    front end still starting dies of the SIGTERM itself: -15) are the stop, not a failure. Otherwise a front end
+    that exits non-zero stops the others, and the launcher exits 1."""
     signals = []
     previous = {s: signal.signal(s, lambda sig, frame: signals.append(sig)) for s in (signal.SIGTERM, signal.SIGINT)}
-    failed = False
+    failed = stopping = False
     try:
         while any(p.is_alive() for p in procs):
             wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
             while signals:
                 signals.pop()
+                stopping = True
                 _signal_all(procs, signal.SIGTERM)
             exited = [p for p in procs if not p.is_alive() and p.exitcode != 0]
-            if exited and not failed:
+            if exited and not failed and not stopping:
                 failed = True
                 logger.error("front end %s exited with %s: stopping the others", exited[0].name, exited[0].exitcode)
                 _signal_all(procs, signal.SIGTERM)

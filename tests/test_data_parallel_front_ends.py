@@ -152,3 +152,36 @@ def test_sigterm_drains_both_cores_through_both_front_ends_then_all_exit(server)
     assert code == 0 and "Traceback" not in out, out[-3000:]
     psutil.wait_procs(children, timeout=10)
     assert not [p.cmdline() for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+LAUNCHER = """
+import logging, multiprocessing as mp, os, signal, sys, threading, time
+from server.launcher import _wait_for_front_ends
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+ctx = mp.get_context("spawn")
+procs = [ctx.Process(target=time.sleep, args=(60,), name=f"front-{i}") for i in range(2)]
+for p in procs:
+    p.start()
+if sys.argv[1] == "stop":  # the launcher is told to stop: front ends that die of the SIGTERM are the stop
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+else:  # one front end dies on its own: the others are stopped, and that is a failure
+    threading.Timer(1.0, procs[0].kill).start()
+code = _wait_for_front_ends(procs)
+print("exit", code, [p.exitcode for p in procs])
+"""
+
+
+@pytest.mark.parametrize("how", ["stop", "crash"])
+def test_the_launcher_tells_a_stop_from_a_front_end_that_died(how):
+    """Real processes: a SIGTERM to the launcher stops every front end and exits 0 with no error logged, even when
+    they die of the signal itself (-15); a front end killed on its own stops the others and the launcher exits 1
+    with an error."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, how], capture_output=True, text=True, timeout=60)
+    last = done.stdout.strip().splitlines()[-1]
+    if how == "stop":
+        assert last == "exit 0 [-15, -15]" and "ERROR" not in done.stdout, done.stdout + done.stderr
+    else:
+        assert last == "exit 1 [-9, -15]" and "ERROR front end front-0 exited with -9" in done.stdout, done.stdout
