@@ -351,8 +351,8 @@ class GrammarLink:
             if unsent is not None and time.monotonic() - unsent[1] > STALL_S and self._unsent is unsent:
                 logger.error("grammar masks: step %d was reserved %.0f s ago and not sent; raising the flags",
                              unsent[0], time.monotonic() - unsent[1])
-                self.stalled = True
                 self.flags.fill_(RELEASED)
+                self.stalled = True  # after the flags: whoever sees it finds them raised
 
     # ---- the workers' lives ----------------------------------------------------------------------
     def _check_workers(self) -> None:

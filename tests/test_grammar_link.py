@@ -263,29 +263,30 @@ def test_a_reserved_step_left_unsent_raises_the_flags_and_stops_the_gate(link, m
     stuck.result()  # sent late: its worker still consumes and fills
 
 
-def test_a_lost_grammar_fails_its_request_even_at_eos_with_ignore_eos(remote):
+def test_a_lost_grammar_fails_its_request_even_at_eos_with_ignore_eos(tiny_model_dir):
     """EOS with ignore_eos drops a request's grammar (it goes on unconstrained), but not a grammar already broken:
     a lost grammar process's rows allowed every token, EOS included, so that request fails like the others
-    (the gated engine on an H100 sampled EOS there once, and the request ran on to `length`)."""
+    (the gated engine on an H100 sampled EOS there once, and the request ran on to `length`). An engine of its
+    own: the request is finished outside a step."""
     from engine.grammar_process import LOST
 
-    engine = remote.engine
-    engine.add_request("lost", [1, 2, 3], json_params(ignore_eos=True))
-    child = engine.completions.children["lost"][0]
-    for _ in range(200):  # until its first token: admitted once compiled, its grammar attached
-        engine.step()
-        req = engine.scheduler.requests.get(child)
-        if req is not None and req.output_token_ids:
-            break
-    assert req.grammar is not None and not req.is_finished
-    req.grammar.broken = LOST
-    engine._advance_grammar(req, next(iter(req.eos_token_ids)))
-    assert req.is_finished and "grammar process" in req.error
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        engine.step()
-    assert engine.stats().scheduler.num_blocks_used == 0
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=64, structured_outputs_process=True)
+    engine = llm.engine
+    try:
+        engine.add_request("lost", [1, 2, 3], json_params(ignore_eos=True))
+        child = engine.completions.children["lost"][0]
+        for _ in range(200):  # until its first token: admitted once compiled, its grammar attached
+            engine.step()
+            req = engine.scheduler.requests.get(child)
+            if req is not None and req.output_token_ids:
+                break
+        assert req.grammar is not None and not req.is_finished
+        req.grammar.broken = LOST
+        engine._advance_grammar(req, next(iter(req.eos_token_ids)))
+        assert req.is_finished and "grammar process" in req.error
+        assert engine.stats().scheduler.num_blocks_used == 0
+    finally:
+        engine.structured.shutdown()
 
 
 def test_preemption_with_a_tiny_pool(tiny_model_dir, local):
