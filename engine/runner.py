@@ -531,24 +531,23 @@ def _mask_gate(structured, device: torch.device) -> MaskGate | None:
                     "triton)")
         return None
     for how, copy in itertools.product(MaskGate.WAITS, MaskGate.COPIES):  # the first that passes its check
-        gate = _checked_gate(structured, flags, device, how, copy)
-        if gate is not None and gate.stuck:  # its stream still waits: trying another would reset the flags
-            break
-        if gate is not None:
+        gate = _new_gate(structured, flags, device, how, copy)
+        if gate is None:
+            continue
+        why = gate.check()
+        if why is None:
             logger.info("grammar masks: the device waits for them (%s, %s copy; engine/mask_gate.py)", how, copy)
             return gate
+        logger.warning("grammar masks: %s with the %s copy failed its check (%s)", how, copy, why)
+        if gate.stuck:  # its stream still waits: trying another would reset the flags
+            break
     logger.warning("grammar masks: the device cannot wait for them here: the host does")
     return None
 
 
-def _checked_gate(structured, flags, device: torch.device, how: str, copy: str) -> MaskGate | None:
+def _new_gate(structured, flags, device: torch.device, how: str, copy: str) -> MaskGate | None:
     try:
-        gate = MaskGate(structured.masks, flags, len(structured.shards), device, how, copy)
+        return MaskGate(structured.masks, flags, len(structured.shards), device, how, copy)
     except Exception as exc:  # noqa: BLE001 - e.g. no cuda-python for the driver's wait
         logger.info("grammar masks: no %s wait (%s: %s)", how, type(exc).__name__, exc)
         return None
-    why = gate.check()
-    if why is None:
-        return gate
-    logger.warning("grammar masks: %s with the %s copy failed its check (%s)", how, copy, why)
-    return gate if gate.stuck else None  # a stuck one: the caller tries no other
