@@ -13,6 +13,11 @@ from engine.request import RequestError, StructuredOutput
 from server.errors import APIError
 
 CHECK_CACHE_SIZE = 1024
+# Subschemas by keyword: a schema, a list of schemas, or a mapping of names to schemas (closed_objects walks them).
+SCHEMA_KEYWORDS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                   "unevaluatedProperties", "unevaluatedItems")
+SCHEMA_LIST_KEYWORDS = ("prefixItems", "anyOf", "oneOf", "allOf")
+SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -31,6 +36,31 @@ def _schema_text(schema, param: str) -> str:
     return json.dumps(schema, sort_keys=True)
 
 
+def closed_objects(schema):
+    """The schema with `additionalProperties: false` on every object schema (one with `type: object` or
+    `properties`) that does not set it, at every depth: what `strict: true` means (OpenAI's structured outputs
+    refuse extra keys under it; xgrammar's strict mode, vLLM's default, does the same). Without it llguidance
+    (the quick-start install's only grammar engine) let a strict reply carry a key the schema does not name."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed_child(key, value) for key, value in schema.items()}
+    kind = schema.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+    if is_object and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _closed_child(key: str, value):
+    if key in SCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+        return {name: closed_objects(sub) for name, sub in value.items()}
+    if key in SCHEMA_KEYWORDS or key in SCHEMA_LIST_KEYWORDS:
+        return closed_objects(value)
+    return value  # a value (enum, const, default, ...) is data, not a schema
+
+
 def _from_response_format(rf) -> StructuredOutput | None:
     if rf.type == "text":
         return None
@@ -38,7 +68,10 @@ def _from_response_format(rf) -> StructuredOutput | None:
         return StructuredOutput(json_object=True)
     if rf.json_schema is None or rf.json_schema.schema_ is None:
         raise _bad("response_format.json_schema", "json_schema with a `schema` is required for type json_schema")
-    return StructuredOutput(json=_schema_text(rf.json_schema.schema_, "response_format.json_schema.schema"))
+    schema = rf.json_schema.schema_
+    if rf.json_schema.strict:
+        schema = closed_objects(schema)
+    return StructuredOutput(json=_schema_text(schema, "response_format.json_schema.schema"))
 
 
 def _from_structured_outputs(so) -> StructuredOutput:

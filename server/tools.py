@@ -8,6 +8,7 @@ import json
 from engine.request import StructuredOutput
 from server.errors import APIError
 from server.reasoning import ReasoningParser, StreamingReasoning
+from server.structured import closed_objects
 from server.tool_parsers import NamedParser, RequiredParser, parser_for
 from server.tool_stream import Piece
 
@@ -17,7 +18,10 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 
 def _params_schema(tool) -> dict:
-    return tool.function.parameters or NO_PARAMETERS  # {} too: arguments are an object, never any JSON value
+    """A tool's arguments schema ({} too: arguments are an object, never any JSON value); under `strict: true`
+    its objects take no keys they do not name (server.structured.closed_objects)."""
+    schema = tool.function.parameters or NO_PARAMETERS
+    return closed_objects(schema) if tool.function.strict else schema
 
 
 def tool_parser(req, parser_name: str | None, chat_template: str | None):

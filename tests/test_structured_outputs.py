@@ -239,3 +239,48 @@ def test_a_schema_being_checked_holds_up_no_other_request(server, monkeypatch):
         assert not any(f.done() for f in constrained)
         release.set()
         assert [texts(f.result())[0] for f in constrained] == ["aa", "aaa"]
+
+
+OPEN_DIGIT = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+
+
+def _biased_reply(server, strict: bool | None) -> str:
+    """A greedy reply under OPEN_DIGIT with `,` (another key next) favoured by far over `}`."""
+    comma = httpx.post(server.url("/tokenize"), json={"prompt": ","}).json()["tokens"][-1]
+    resp = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "json"}], "temperature": 0, "max_tokens": 24,
+        "logit_bias": {str(comma): 30}, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "d", "schema": OPEN_DIGIT, **({} if strict is None else {"strict": strict})}}})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+def test_strict_json_schema_takes_no_keys_it_does_not_name(server):
+    """OpenAI's `strict: true`: an object without `additionalProperties` takes no other key (so does xgrammar's
+    strict mode, vLLM's default). Without strict the same biased reply goes on to a second key, which shows the
+    bias would have written one."""
+    assert re.fullmatch(r'\{"a":\d,.*', _biased_reply(server, None), re.S)
+    for text in [_biased_reply(server, True) for _ in range(2)]:
+        assert re.fullmatch(r'\{"a":\d\}', text), text
+    assert server.wait_blocks_free() == 0
+
+
+def test_closed_objects_closes_every_object_and_keeps_what_the_schema_says():
+    from server.structured import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "list": {"type": "array", "items": {"properties": {"x": {"type": "integer"}}}},
+        "either": {"anyOf": [{"type": ["object", "null"]}, {"$ref": "#/$defs/open"}]},
+        "map": {"type": "object", "additionalProperties": {"type": "object"}},
+        "const": {"const": {"type": "object"}}},
+        "$defs": {"open": {"type": "object", "additionalProperties": True}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in props["either"]["anyOf"][1]  # a $ref is resolved where it points
+    assert props["map"]["additionalProperties"] == {"type": "object", "additionalProperties": False}
+    assert props["const"]["const"] == {"type": "object"}  # data, not a schema
+    assert closed["$defs"]["open"]["additionalProperties"] is True
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was

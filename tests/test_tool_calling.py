@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 
 import httpx
 import jsonschema
@@ -300,6 +301,22 @@ def test_a_tool_without_parameters_is_called_with_none(server, stream):
         calls, finish = streamed_calls(server, body) if stream else _calls(chat(server, **body))
         assert finish == "tool_calls" and calls, (finish, calls)
         assert all(c["function"]["name"] == "ping" and json.loads(c["function"]["arguments"]) == {} for c in calls)
+
+
+def test_a_strict_tool_is_called_with_no_key_its_parameters_do_not_name(server):
+    """`strict: true` on a function: its arguments' objects take no key they do not name (OpenAI's strict
+    function calling). `,` is favoured by far, so without strict the same call goes on to a second key."""
+    comma = httpx.post(server.url("/tokenize"), json={"prompt": ","}).json()["tokens"][-1]
+    params = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["d"]}
+    forced = {"type": "function", "function": {"name": "digit"}}
+    arguments = {}
+    for strict in (False, True):
+        tool = {"type": "function", "function": {"name": "digit", "parameters": params, "strict": strict}}
+        body = chat(server, messages=CONVERSATION[:1], tools=[tool], tool_choice=forced, temperature=0.0,
+                    max_tokens=24, logit_bias={str(comma): 30})
+        arguments[strict] = body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert re.fullmatch(r'\{"d":\d,.*', arguments[False], re.S), arguments
+    assert re.fullmatch(r'\{"d":\d\}', arguments[True]), arguments
 
 
 def _calls(body: dict):
