@@ -139,6 +139,29 @@ def test_two_grammar_processes_share_the_rows(tiny_model_dir, local):
         link.shutdown()
 
 
+def test_the_next_steps_masks_are_asked_for_before_the_scheduler_reads_the_tokens(tiny_model_dir, local):
+    """Pipelined, a step's tokens go to the next step's matchers, and its masks are sent, before
+    scheduler.update (the send comes that much sooner): the tokens are the same as the in-process run's, and
+    where a step's reading sends masks, it sends them before its update."""
+    llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=True,
+              async_scheduling=True)
+    engine, events = llm.engine, []
+    spied = {"send": engine.structured, "update": engine.scheduler, "_postprocess": engine}
+    for name, owner in spied.items():  # "_postprocess next": reading a step with the next one's masks to ask for
+        real = getattr(owner, name)
+        setattr(owner, name, lambda *a, real=real, name=name: events.append(
+            name + (" next" if a[2:] and a[2] is not None else "")) or real(*a))
+    params = [json_params(), SamplingParams(temperature=0.0, max_tokens=20), json_params(), choice_params()]
+    try:
+        assert run(llm, PROMPTS, params) == run(local, PROMPTS, params)
+        triples = list(zip(events, events[1:], events[2:]))
+        assert triples.count(("_postprocess next", "send", "update")) > 10, events
+        assert ("_postprocess next", "update", "send") not in triples, events
+        assert_no_matcher_left(llm)
+    finally:
+        engine.structured.shutdown()
+
+
 def test_a_killed_one_of_two_grammar_processes_fails_only_its_grammars(tiny_model_dir, local):
     """SIGKILL the second of two grammar processes mid-run: the constrained requests whose grammars it held
     end with an error, the others finish as in the in-process run without waiting for its replacement to
@@ -282,7 +305,8 @@ def test_a_lost_grammar_fails_its_request_even_at_eos_with_ignore_eos(tiny_model
                 break
         assert req.grammar is not None and not req.is_finished
         req.grammar.broken = LOST
-        engine._advance_grammar(req, next(iter(req.eos_token_ids)))
+        req.output_token_ids.append(next(iter(req.eos_token_ids)))  # as scheduler.update appends it
+        engine._advance_grammars([req])
         assert req.is_finished and "grammar process" in req.error
         assert engine.stats().scheduler.num_blocks_used == 0
     finally:
