@@ -113,6 +113,15 @@ class MaskGate:
         self.how, self.copy = how, copy
         self.stuck = False  # a failed check left work queued on the side stream that did not end
         self._driver = DriverWait(flags) if how == "cuStreamWaitValue64" else None
+        if copy == "kernel":  # loaded now, not at its first launch behind an unmet wait (see _load_kernel)
+            self._load_kernel()
+
+    def _load_kernel(self) -> None:
+        """Launch `_copy` once before any wait. CUDA loads a kernel at its first launch (lazy module loading), and
+        a load can synchronize the context: queued behind an unmet wait, the host blocked until the check's
+        watchdog raised the flags (5 s, an H100, twentieth session), so the check refused the kernel copy."""
+        copy_rows(self.device_masks[0, :1], self.device_masks[1 % self.masks.shape[0], :1])
+        torch.cuda.synchronize(self.device)
 
     def _wait(self, seq: int) -> None:
         """Queue, on the side stream (current), the wait for every flag to reach seq."""
