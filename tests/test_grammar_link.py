@@ -347,21 +347,21 @@ def test_killed_grammar_process_fails_only_constrained_requests(tiny_model_dir):
 
 
 def run_killing_at_fifth(llm: LLM, method: str) -> None:
-    """Two free and two constrained requests, the grammar process SIGKILLed at the fifth call of the link's
-    `method`: a constrained request whose grammar was live then (or compiling) ends with an error; one whose grammar
-    had ended (its JSON done, EOS ignored: unconstrained after) keeps that JSON; the free ones finish as they did alone, and
-    no KV block is left. (On an H100 with the device's wait one request had finished its JSON by the fifth send.)"""
+    """Two free and two constrained requests, the first grammar process SIGKILLed at the fifth call of the link's
+    `method`: a constrained request whose grammar it held (or that was compiling) ends with an error; one whose
+    grammar lives in another grammar process (a host with more cores runs several) or had ended (its JSON done,
+    EOS ignored) goes on to max_tokens; the free ones finish as they did alone; no KV block is left."""
     link = llm.engine.structured
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want_free = run(llm, PROMPTS[:2], free)
-    steps, real, ended = [], getattr(link, method), set()
+    steps, real, spared = [], getattr(link, method), set()
 
     def kill_at_fifth(arg):
         steps.append(1)
         if len(steps) == 5:
-            by_id = llm.engine.completions.by_id
-            ended.update(by_id[r.request_id].parent_id for r in llm.engine.scheduler.requests.values()
-                         if r.sampling_params.structured and r.grammar is None and r.output_token_ids)
+            spared.update(llm.engine.completions.by_id[r.request_id].parent_id
+                          for r in llm.engine.scheduler.requests.values() if r.sampling_params.structured
+                          and r.output_token_ids and getattr(r.grammar, "shard", None) is not link.shards[0])
             kill_worker(link)
         return real(arg)
 
@@ -370,16 +370,15 @@ def run_killing_at_fifth(llm: LLM, method: str) -> None:
         outs = llm.generate(PROMPTS[:2] * 2, [free, free, json_params(ignore_eos=True), json_params(ignore_eos=True)])
     finally:
         setattr(link, method, real)
-    assert len(steps) >= 5 and len(ended) < 2
+    assert len(steps) >= 5 and len(spared) < 2
     assert [o.outputs[0].token_ids for o in outs[:2]] == want_free
     for o in outs[2:]:
         c = o.outputs[0]
         seen = f"{c.finish_reason}, {len(c.token_ids)} tokens {c.text!r}, error {c.error!r}"
-        if o.request_id not in ended:
+        if o.request_id in spared:
+            assert c.finish_reason == "length" and c.error is None and c.text.startswith('{"'), seen
+        else:
             assert c.finish_reason == "error" and "grammar process" in c.error, seen
-        else:  # by hand: the GPU host has no jsonschema
-            doc = json.JSONDecoder().raw_decode(c.text)[0]
-            assert sorted(doc) == ["n", "word"] and len(doc["word"]) <= 6 and 0 <= doc["n"] <= 999, seen
     assert llm.engine.stats().scheduler.num_blocks_used == 0
 
 
