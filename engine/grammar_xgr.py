@@ -21,7 +21,7 @@ import importlib.util
 import json
 import logging
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from engine.request import StructuredOutput
@@ -143,16 +143,26 @@ class XgrCompiler:
                                                        stop_token_ids=sorted(eos_ids))
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # StructuredOutputs caches
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-xgrammar")
+        self._overdue: Future | None = None  # a compile past COMPILE_TIMEOUT_S, still running (it can't be stopped)
         self.batch = xgrammar.BatchGrammarMatcher(max_threads=fill_threads or "auto")
 
     def compile(self, so: StructuredOutput) -> XgrCompiled | None:
-        """The constraint compiled by xgrammar, or None: llguidance's to compile."""
+        """The constraint compiled by xgrammar, or None: llguidance's to compile. While a compile that outlasted
+        COMPILE_TIMEOUT_S still runs, every constraint goes to llguidance at once: queued behind it, each would
+        wait out its own timeout, one after another (a pattern of nested bounded repeats, `([a-z]{1,30}){1,30}`,
+        took xgrammar 12 s on the 2-core CPU; one such request held every later schema 5 s each)."""
         build = self._builder(so)
         if build is None:
             return None
+        if self._overdue is not None and not self._overdue.done():
+            logger.info("xgrammar is still on a compile past %.0f s; llguidance compiles %s", COMPILE_TIMEOUT_S,
+                        so.param())
+            return None
+        future = self._thread.submit(build)
         try:
-            return XgrCompiled(self._thread.submit(build).result(timeout=COMPILE_TIMEOUT_S))
+            return XgrCompiled(future.result(timeout=COMPILE_TIMEOUT_S))
         except FutureTimeout:
+            self._overdue = future
             logger.warning("xgrammar took over %.0f s to compile %s; llguidance compiles it", COMPILE_TIMEOUT_S,
                            so.param())
         except Exception as exc:  # noqa: BLE001 - a construct xgrammar refuses: llguidance may take it

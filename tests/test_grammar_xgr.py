@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
+import time
 from types import SimpleNamespace
 
 import jsonschema
@@ -136,6 +138,37 @@ def test_a_compile_past_the_timeout_goes_to_llguidance(tok, monkeypatch):
         assert isinstance(grammar, Grammar)
     finally:
         so.shutdown()
+
+
+def test_while_a_compile_runs_past_the_timeout_the_next_constraints_go_to_llguidance_at_once(tok, monkeypatch):
+    """A compile that outlasts the timeout keeps xgrammar's one thread (it cannot be stopped): the constraints
+    after it go to llguidance without queueing behind it, and to xgrammar again once it ended. Before, each
+    waited for the stuck one and then its own timeout, one after another."""
+    monkeypatch.setattr(grammar_xgr, "COMPILE_TIMEOUT_S", 0.3)
+    compiler, release, built = grammar_xgr.XgrCompiler(tok, VOCAB, [tok.eos_token_id]), threading.Event(), []
+    real = compiler._builder
+
+    def builder(so):
+        build = real(so)
+        if json.loads(so.json).get("title") != "stuck":
+            return lambda: built.append(so.json) or build()
+        return lambda: release.wait(30) and build()
+
+    monkeypatch.setattr(compiler, "_builder", builder)
+    try:
+        stuck = StructuredOutput(json=json.dumps({**SCHEMAS["object"], "title": "stuck"}))
+        assert compiler.compile(stuck) is None  # past the timeout: llguidance's
+        started = time.monotonic()
+        assert compiler.compile(StructuredOutput(json=json.dumps(SCHEMAS["object"]))) is None
+        assert time.monotonic() - started < grammar_xgr.COMPILE_TIMEOUT_S
+        release.set()
+        compiler._overdue.result(timeout=30)
+        assert built == []  # the second constraint was never queued for xgrammar
+        assert compiler.compile(StructuredOutput(json=json.dumps(SCHEMAS["object"]))) is not None
+        assert len(built) == 1
+    finally:
+        release.set()
+        compiler.shutdown()
 
 
 def test_guidance_backend_never_uses_xgrammar(tok):
