@@ -21,6 +21,7 @@ import importlib.util
 import json
 import logging
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -29,6 +30,9 @@ from engine.request import StructuredOutput
 logger = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 5.0  # past it the constraint compiles with llguidance (the record schema: ~40 ms)
+# Compiles run side by side (the engine's compile threads, and xgrammar's here), so one slow to compile does not
+# hold the constraints after it for its COMPILE_TIMEOUT_S: tests/test_grammar_xgr.py compiles one behind a stuck one.
+COMPILE_THREADS = 2
 # Schema keywords xgrammar enforces (or, for annotations, need not): tests/test_grammar_xgr.py walks outputs
 # under its masks for each and validates them with jsonschema.
 JSON_KEYWORDS = frozenset({
@@ -142,32 +146,41 @@ class XgrCompiler:
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(eos_ids))
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # StructuredOutputs caches
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-xgrammar")
-        self._overdue: Future | None = None  # a compile past COMPILE_TIMEOUT_S, still running (it can't be stopped)
+        self._thread = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="kvserve-xgrammar")
+        self._overdue: set[Future] = set()  # compiles past COMPILE_TIMEOUT_S, still running (they can't be stopped)
+        self._overdue_lock = threading.Lock()  # the engine's compile threads call compile() side by side
         self.batch = xgrammar.BatchGrammarMatcher(max_threads=fill_threads or "auto")
 
     def compile(self, so: StructuredOutput) -> XgrCompiled | None:
-        """The constraint compiled by xgrammar, or None: llguidance's to compile. While a compile that outlasted
-        COMPILE_TIMEOUT_S still runs, every constraint goes to llguidance at once: queued behind it, each would
-        wait out its own timeout, one after another (a pattern of nested bounded repeats, `([a-z]{1,30}){1,30}`,
-        took xgrammar 12 s on the 2-core CPU; one such request held every later schema 5 s each)."""
+        """The constraint compiled by xgrammar, or None: llguidance's to compile. While compiles that outlasted
+        COMPILE_TIMEOUT_S hold every xgrammar thread, each constraint goes to llguidance at once: queued behind
+        them, each would wait out its own timeout, one after another (a pattern of nested bounded repeats,
+        `([a-z]{1,30}){1,30}`, took xgrammar 12 s on the 2-core CPU; one such request held every later schema
+        5 s each)."""
         build = self._builder(so)
         if build is None:
             return None
-        if self._overdue is not None and not self._overdue.done():
-            logger.info("xgrammar is still on a compile past %.0f s; llguidance compiles %s", COMPILE_TIMEOUT_S,
+        if self._threads_overdue() >= COMPILE_THREADS:
+            logger.info("xgrammar's threads are on compiles past %.0f s; llguidance compiles %s", COMPILE_TIMEOUT_S,
                         so.param())
             return None
         future = self._thread.submit(build)
         try:
             return XgrCompiled(future.result(timeout=COMPILE_TIMEOUT_S))
         except FutureTimeout:
-            self._overdue = future
+            with self._overdue_lock:
+                self._overdue.add(future)
             logger.warning("xgrammar took over %.0f s to compile %s; llguidance compiles it", COMPILE_TIMEOUT_S,
                            so.param())
         except Exception as exc:  # noqa: BLE001 - a construct xgrammar refuses: llguidance may take it
             logger.info("xgrammar cannot compile %s (%s); llguidance compiles it", so.param(), exc)
         return None
+
+    def _threads_overdue(self) -> int:
+        """How many xgrammar threads still run a compile that outlasted its timeout."""
+        with self._overdue_lock:
+            self._overdue = {f for f in self._overdue if not f.done()}
+            return len(self._overdue)
 
     def _builder(self, so: StructuredOutput):
         c = self._compiler

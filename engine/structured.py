@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ import torch
 
 from engine import mask_kernel
 from engine.grammar import LRU, EosAliases, GrammarLimits, grammar_text, llg_tokenizer
-from engine.grammar_xgr import XgrCompiled, XgrCompiler, XgrGrammar
+from engine.grammar_xgr import COMPILE_THREADS, XgrCompiled, XgrCompiler, XgrGrammar
 from engine.grammar_xgr import available as xgrammar_available
 from engine.request import Request, RequestError, StructuredOutput
 
@@ -67,7 +68,8 @@ class StructuredOutputs:
         self._tokenizer = None  # the llguidance tokenizer, built in the compile thread on first use
         self._aliases: EosAliases | None = None  # EOS ids that tokenizer does not know (set with it)
         self._executor = None  # llguidance.LLExecutor, made on the first fill
-        self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
+        self._compiles = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="kvserve-grammar")
+        self._setup_lock = threading.Lock()  # the compile threads make the compilers once, on first use
         self._fills: ThreadPoolExecutor | None = None  # start_fill's thread, made on first use
         self._filling: Future | None = None  # the last start_fill's job: a fill may outlive its step() call
         self._cache = LRU(CACHE_SIZE)  # StructuredOutput.key() -> Future[pristine matcher]
@@ -87,8 +89,9 @@ class StructuredOutputs:
 
     def _compile(self, so: StructuredOutput):
         if self.use_xgrammar:
-            if self._xgr is None:
-                self._xgr = XgrCompiler(self.hf_tokenizer, self.vocab_size, self.eos_ids, self.fill_threads)
+            with self._setup_lock:
+                if self._xgr is None:
+                    self._xgr = XgrCompiler(self.hf_tokenizer, self.vocab_size, self.eos_ids, self.fill_threads)
             compiled = self._xgr.compile(so)
             if compiled is not None:
                 return compiled
@@ -97,9 +100,10 @@ class StructuredOutputs:
     def _compile_llg(self, so: StructuredOutput):
         from llguidance import LLMatcher
 
-        if self._tokenizer is None:
-            self._tokenizer = llg_tokenizer(self.hf_tokenizer, self.vocab_size, self.eos_ids)
-            self._aliases = EosAliases.of(self._tokenizer, self.eos_ids)
+        with self._setup_lock:
+            if self._tokenizer is None:
+                self._tokenizer = llg_tokenizer(self.hf_tokenizer, self.vocab_size, self.eos_ids)
+                self._aliases = EosAliases.of(self._tokenizer, self.eos_ids)
         matcher = LLMatcher(self._tokenizer, grammar_text(so), log_level=0, limits=self.limits.to_llguidance())
         if matcher.is_error():
             raise RequestError(f"{so.param()}: {matcher.get_error()[:500]}", "invalid_grammar", so.param())

@@ -140,35 +140,65 @@ def test_a_compile_past_the_timeout_goes_to_llguidance(tok, monkeypatch):
         so.shutdown()
 
 
-def test_while_a_compile_runs_past_the_timeout_the_next_constraints_go_to_llguidance_at_once(tok, monkeypatch):
-    """A compile that outlasts the timeout keeps xgrammar's one thread (it cannot be stopped): the constraints
-    after it go to llguidance without queueing behind it, and to xgrammar again once it ended. Before, each
-    waited for the stuck one and then its own timeout, one after another."""
-    monkeypatch.setattr(grammar_xgr, "COMPILE_TIMEOUT_S", 0.3)
-    compiler, release, built = grammar_xgr.XgrCompiler(tok, VOCAB, [tok.eos_token_id]), threading.Event(), []
-    real = compiler._builder
+def stuck_builds(monkeypatch, release: threading.Event, built: list):
+    """XgrCompiler's builds, the schemas titled "stuck" held until `release`; the others recorded in `built`."""
+    real = grammar_xgr.XgrCompiler._builder
 
-    def builder(so):
-        build = real(so)
+    def builder(self, so):
+        build = real(self, so)
         if json.loads(so.json).get("title") != "stuck":
             return lambda: built.append(so.json) or build()
         return lambda: release.wait(30) and build()
 
-    monkeypatch.setattr(compiler, "_builder", builder)
+    monkeypatch.setattr(grammar_xgr.XgrCompiler, "_builder", builder)
+
+
+def schema(title: str) -> StructuredOutput:
+    return StructuredOutput(json=json.dumps({**SCHEMAS["object"], "title": title}))
+
+
+def test_compiles_past_the_timeout_hold_one_xgrammar_thread_each_and_then_none_waits(tok, monkeypatch):
+    """A compile that outlasts the timeout keeps its xgrammar thread (it cannot be stopped); the next ones
+    compile on the other thread; once every thread is so held, each constraint goes to llguidance at once, never
+    queued behind them; once they end, xgrammar compiles again. Before, every constraint after a stuck one
+    waited for it and then its own timeout, one after another."""
+    monkeypatch.setattr(grammar_xgr, "COMPILE_TIMEOUT_S", 0.3)
+    release, built = threading.Event(), []
+    stuck_builds(monkeypatch, release, built)
+    compiler = grammar_xgr.XgrCompiler(tok, VOCAB, [tok.eos_token_id])
     try:
-        stuck = StructuredOutput(json=json.dumps({**SCHEMAS["object"], "title": "stuck"}))
-        assert compiler.compile(stuck) is None  # past the timeout: llguidance's
+        assert compiler.compile(schema("stuck")) is None  # past the timeout: llguidance's
+        assert compiler.compile(schema("a")) is not None and len(built) == 1  # the other thread
+        assert compiler.compile(schema("stuck")) is None  # every thread held now
         started = time.monotonic()
-        assert compiler.compile(StructuredOutput(json=json.dumps(SCHEMAS["object"]))) is None
+        assert compiler.compile(schema("b")) is None
         assert time.monotonic() - started < grammar_xgr.COMPILE_TIMEOUT_S
         release.set()
-        compiler._overdue.result(timeout=30)
-        assert built == []  # the second constraint was never queued for xgrammar
-        assert compiler.compile(StructuredOutput(json=json.dumps(SCHEMAS["object"]))) is not None
-        assert len(built) == 1
+        for future in list(compiler._overdue):
+            future.result(timeout=30)
+        assert len(built) == 1  # "b" was never queued for xgrammar
+        assert compiler.compile(schema("c")) is not None
     finally:
         release.set()
         compiler.shutdown()
+
+
+def test_a_constraint_behind_one_slow_to_compile_is_ready_first(tok, monkeypatch):
+    """The engine's compiles run side by side: a schema asked for after one whose xgrammar compile is stuck is
+    compiled, by xgrammar, while the stuck one still waits out its timeout."""
+    monkeypatch.setattr(grammar_xgr, "COMPILE_TIMEOUT_S", 5.0)
+    release, built = threading.Event(), []
+    stuck_builds(monkeypatch, release, built)
+    so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id], backend="auto")
+    try:
+        slow = so.compile(schema("stuck"))
+        fast = so.compile(schema("a"))
+        assert isinstance(fast.result(timeout=4.0), grammar_xgr.XgrCompiled) and not slow.done()
+        release.set()
+        assert slow.result(timeout=30) is not None
+    finally:
+        release.set()
+        so.shutdown()
 
 
 def test_guidance_backend_never_uses_xgrammar(tok):
