@@ -13,12 +13,14 @@ Its main thread answers Steps; a second thread answers Compiles. It exits when i
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
 import sys
 import time
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -151,18 +153,25 @@ class Worker:
 
 
 def answer_compiles(worker: Worker, pull: zmq.Socket, push: zmq.Socket) -> None:
-    """The compile thread (its sockets connected by the main thread before Ready, then used only here): each
-    Compile is answered once its grammar is compiled (or failed)."""
-    decoder, encoder = msgspec.msgpack.Decoder(Compile), msgspec.msgpack.Encoder()
+    """The compile thread (its sockets connected by the main thread before Ready): each Compile is answered once
+    its grammar is compiled (or failed), in the order they finish, so one slow to compile holds no other (the
+    compiles run side by side: engine/structured.py). The answers go out under a lock: they are sent from the
+    compile threads, and a ZeroMQ socket is used by one thread at a time."""
+    decoder, encoder, lock = msgspec.msgpack.Decoder(Compile), msgspec.msgpack.Encoder(), threading.Lock()
+
+    def answer(msg: Compile, compiled: Future) -> None:
+        with lock:
+            push.send(encoder.encode(_compiled(msg, compiled)))
+
     with pull, push:
         while True:
             msg = decoder.decode(pull.recv())
-            push.send(encoder.encode(_compiled(worker, msg)))
+            worker.compile(msg.constraint).add_done_callback(functools.partial(answer, msg))
 
 
-def _compiled(worker: Worker, msg: Compile) -> Compiled:
+def _compiled(msg: Compile, compiled: Future) -> Compiled:
     try:
-        worker.compile(msg.constraint).result()
+        compiled.result()
     except RequestError as exc:
         return Compiled(msg.key, exc.message, exc.code, exc.param)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails the requests
