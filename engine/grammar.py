@@ -25,10 +25,15 @@ ANY_JSON_OBJECT = {"type": "object"}
 @dataclass(frozen=True)
 class GrammarLimits:
     """Bounds on one grammar (llguidance LLParserLimits): max_grammar_size symbols in its productions;
-    lexer_fuel for building its lexer (~50k units a millisecond: 1M is ~20 ms); step_fuel per mask."""
+    lexer_fuel for building its lexer (~50k units a millisecond: 1M is ~20 ms); step_fuel per mask. A regex
+    whose bounded repeats count past xgrammar_repeats along one nesting chain, or past xgrammar_nested_repeats
+    along a chain of two or more that vary, goes to llguidance: xgrammar unrolls them, slowly, and its compile
+    cannot be stopped (engine/grammar_xgr.py regex_supported has the measurements)."""
     max_grammar_size: int = 500_000
     lexer_fuel: int = 1_000_000
     step_fuel: int = 200_000
+    xgrammar_repeats: int = 2_000
+    xgrammar_nested_repeats: int = 64
 
     def to_llguidance(self):
         import llguidance

@@ -25,7 +25,19 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from engine.grammar import GrammarLimits
 from engine.request import StructuredOutput
+
+try:  # Python 3.11+
+    from re import _constants as _C
+    from re import _parser as _re_parser
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as _C
+    import sre_parse as _re_parser
+
+_REPEATS = (_C.MAX_REPEAT, _C.MIN_REPEAT, getattr(_C, "POSSESSIVE_REPEAT", _C.MAX_REPEAT))
+_MAXREPEAT = _C.MAXREPEAT
+DEFAULT_LIMITS = GrammarLimits()
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +74,77 @@ def available() -> bool:
     return True
 
 
-def json_supported(schema) -> bool:
-    """Whether every keyword of the schema, at every depth, is one xgrammar enforces."""
+def json_supported(schema, limits: GrammarLimits = DEFAULT_LIMITS) -> bool:
+    """Whether every keyword of the schema, at every depth, is one xgrammar enforces, and each of its patterns
+    one it compiles soon (regex_supported)."""
     if isinstance(schema, bool):
         return True
     if not isinstance(schema, dict) or not JSON_KEYWORDS.issuperset(schema):
         return False
-    return all(_children_supported(key, value) for key, value in schema.items())
+    return all(_children_supported(key, value, limits) for key, value in schema.items())
 
 
-def _children_supported(key: str, value) -> bool:
+def _children_supported(key: str, value, limits: GrammarLimits) -> bool:
     if key in NAMED_CHILDREN:
-        return isinstance(value, dict) and all(json_supported(v) for v in value.values())
+        return isinstance(value, dict) and all(json_supported(v, limits) for v in value.values())
     if key in ("items", "additionalProperties"):
-        return json_supported(value)
+        return json_supported(value, limits)
     if key in ("prefixItems", "anyOf", "oneOf"):
-        return isinstance(value, list) and all(json_supported(v) for v in value)
-    return True  # a value: enum's list, a bound, a pattern, an annotation
+        return isinstance(value, list) and all(json_supported(v, limits) for v in value)
+    if key == "pattern":
+        return not isinstance(value, str) or regex_supported(value, limits)
+    return True  # a value: enum's list, a bound, an annotation
+
+
+def regex_supported(pattern: str, limits: GrammarLimits = DEFAULT_LIMITS) -> bool:
+    """Whether xgrammar compiles the regex soon. It unrolls bounded repeats: on the 2-core CPU (smollm2's
+    tokenizer) `.{0,1000}` took 0.35 s, `.{0,2000}` 1.6 s, `.{0,8000}` 29 s, `[a-z]{1,5000}` 1.3 s; nested ones
+    multiply: `([a-z]{1,10}){1,10}` 0.85 s, `{1,20}` in `{1,20}` 4.8 s, `{1,30}` in `{1,30}` 12 s,
+    `(([a-z]{1,4}){1,5}){1,5}` 2.8 s; a loop is cheap (`([a-z]{1,30})*` 0.10 s). Its compile cannot be stopped.
+    So a regex whose counts multiply past limits.xgrammar_repeats along one chain of nested repeats, or past
+    limits.xgrammar_nested_repeats along a chain of two or more that vary, goes to llguidance, which matches
+    lazily. A pattern Python's parser cannot read is left to xgrammar (its failure, or its timeout, sends it to
+    llguidance)."""
+    try:
+        parsed = _re_parser.parse(pattern)
+    except Exception:  # noqa: BLE001 - another dialect (a JSON schema's pattern is ECMA-262's)
+        return True
+    count, _, nested = _nested_repeats(list(parsed))
+    return count <= limits.xgrammar_repeats and nested <= limits.xgrammar_nested_repeats
+
+
+def _nested_repeats(items: list) -> tuple[int, bool, int]:
+    """Over the parsed regex items: the largest product of bounded repeat counts along one chain of nested
+    repeats, whether that chain varies, and the largest product over chains of two or more that vary."""
+    best, varies, worst = 1, False, 1
+    for op, av in items:
+        for sub in _subpatterns(op, av):
+            count, sub_varies, sub_worst = _nested_repeats(list(sub))
+            if op in _REPEATS and av[1] != _MAXREPEAT:
+                if count > 1 and (sub_varies or av[0] < av[1]):
+                    sub_worst = max(sub_worst, count * av[1])
+                count, sub_varies = count * av[1], sub_varies or av[0] < av[1]
+            if count > best:
+                best, varies = count, sub_varies
+            worst = max(worst, sub_worst)
+    return best, varies, worst
+
+
+def _subpatterns(op, av) -> list:
+    """The parsed sub-patterns of one regex item (none for a literal, a class, an anchor, ...)."""
+    if op in _REPEATS:
+        return [av[2]]
+    if op is _C.SUBPATTERN:
+        return [av[3]]
+    if op is _C.BRANCH:
+        return list(av[1])
+    if op in (_C.ASSERT, _C.ASSERT_NOT):
+        return [av[1]]
+    if op is getattr(_C, "ATOMIC_GROUP", None):
+        return [av]
+    if op is _C.GROUPREF_EXISTS:
+        return [p for p in av[1:] if p is not None]
+    return []
 
 
 def json_ebnf(schema) -> str:
@@ -140,12 +206,14 @@ class XgrCompiled:
 class XgrCompiler:
     """Compiles the constraints xgrammar takes, in a thread of its own, within COMPILE_TIMEOUT_S."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, fill_threads: int | None = None) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, fill_threads: int | None = None,
+                 limits: GrammarLimits = DEFAULT_LIMITS) -> None:
         import xgrammar
 
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(eos_ids))
         self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # StructuredOutputs caches
+        self.limits = limits
         self._thread = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="kvserve-xgrammar")
         self._overdue: set[Future] = set()  # compiles past COMPILE_TIMEOUT_S, still running (they can't be stopped)
         self._overdue_lock = threading.Lock()  # the engine's compile threads call compile() side by side
@@ -186,10 +254,12 @@ class XgrCompiler:
         c = self._compiler
         if so.json is not None or so.json_object:
             schema = json.loads(so.json) if so.json is not None else {"type": "object"}
-            if not json_supported(schema):
+            if not json_supported(schema, self.limits):
                 return None
             return lambda: c.compile_grammar(json_ebnf(schema))
         if so.regex is not None:
+            if not regex_supported(so.regex, self.limits):
+                return None
             return lambda: c.compile_grammar(regex_ebnf(so.regex))
         return None
 

@@ -91,7 +91,8 @@ class StructuredOutputs:
         if self.use_xgrammar:
             with self._setup_lock:
                 if self._xgr is None:
-                    self._xgr = XgrCompiler(self.hf_tokenizer, self.vocab_size, self.eos_ids, self.fill_threads)
+                    self._xgr = XgrCompiler(self.hf_tokenizer, self.vocab_size, self.eos_ids, self.fill_threads,
+                                            self.limits)
             compiled = self._xgr.compile(so)
             if compiled is not None:
                 return compiled

@@ -514,15 +514,25 @@ def test_masks_go_to_dev_shm_only_when_it_has_room(tmp_path):
     assert mask_dir(1 << 20, str(tmp_path / "absent")) is None
 
 
-def test_a_constraint_sent_after_one_slow_to_compile_is_answered_first(link):
+def test_a_constraint_sent_after_one_slow_to_compile_is_answered_first(remote):
     """The grammar process answers compiles as they finish: a schema sent after one whose xgrammar compile runs
-    past its timeout (nested bounded repeats: ~12 s on the 2-core CPU) is ready while the slow one still
-    compiles. Before, the process answered one compile at a time, and the second waited 5 s or more."""
+    past its timeout (nested bounded repeats: ~12 s on the 2-core CPU; the limits that send such a pattern to
+    llguidance are lifted here) is ready while the slow one still compiles. Before, the process answered one
+    compile at a time, and the second waited 5 s or more."""
     pytest.importorskip("xgrammar")
-    slow = link.compile(StructuredOutput(json=json.dumps({"type": "string", "pattern": "^([a-z]{1,30}){1,30}$"})))
-    fast = link.compile(StructuredOutput(json=json.dumps(SCHEMA)))
-    fast.result(timeout=4)
-    assert not slow.done()
+    from engine.grammar import GrammarLimits
+
+    e = remote.engine
+    limits = GrammarLimits(xgrammar_repeats=10 ** 9, xgrammar_nested_repeats=10 ** 9)
+    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, limits, "auto", 4)
+    try:
+        assert link.wait_ready() is None
+        slow = link.compile(StructuredOutput(json=json.dumps({"type": "string", "pattern": "^([a-z]{1,30}){1,30}$"})))
+        fast = link.compile(StructuredOutput(json=json.dumps(SCHEMA)))
+        fast.result(timeout=4)
+        assert not slow.done()
+    finally:
+        link.shutdown()
 
 
 def test_a_compile_waiting_on_a_dead_worker_fails(link):

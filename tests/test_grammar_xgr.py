@@ -201,6 +201,32 @@ def test_a_constraint_behind_one_slow_to_compile_is_ready_first(tok, monkeypatch
         so.shutdown()
 
 
+@pytest.mark.parametrize("pattern,xgrammar", [
+    ("^([a-z]{1,30}){1,30}$", False), ("^([a-z]{1,8}){1,8}$", True), ("^([a-z]{1,9}){1,9}$", False),
+    ("^(([a-z]{1,4}){1,5}){1,5}$", False), ("^([a-z]{1,30}){5}$", False), ("^([a-z]{1,30})*$", True),
+    ("^[a-z]{1,900}$", True), ("^.{0,2000}$", True), ("^.{0,8000}$", False), ("^\\d{3}-\\d{4}$", True),
+    ("^((ab){3}){4}$", True), ("(?<name>x)", True)])
+def test_regexes_xgrammar_would_unroll_too_far_go_to_llguidance(pattern, xgrammar):
+    """Bounded repeats multiply along a nesting chain (xgrammar unrolls them: ~12 s for the first pattern on the
+    2-core CPU); those past the limits go to llguidance, in a regex or a schema's pattern at any depth. One
+    Python cannot parse is left to xgrammar (its failure or timeout decides)."""
+    assert grammar_xgr.regex_supported(pattern) is xgrammar
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string", "pattern": pattern}}}}
+    assert json_supported(schema) is xgrammar
+
+
+def test_a_pattern_xgrammar_would_take_seconds_on_compiles_with_llguidance_at_once(tok):
+    """The engine's compile of the 12 s pattern is llguidance's, in well under xgrammar's 5 s timeout."""
+    so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id], backend="auto")
+    try:
+        pattern = StructuredOutput(json=json.dumps({"type": "string", "pattern": "^([a-z]{1,30}){1,30}$"}))
+        assert not isinstance(so.compile(pattern).result(timeout=3.0), grammar_xgr.XgrCompiled)
+        assert isinstance(so.compile(StructuredOutput(regex="([a-z]{1,30}){1,30}")).result(timeout=3.0),
+                          grammar_xgr.XgrCompiled) is False
+    finally:
+        so.shutdown()
+
+
 def test_guidance_backend_never_uses_xgrammar(tok):
     so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id], backend="guidance")
     try:
