@@ -204,7 +204,7 @@ class XgrCompiled:
 
 
 class XgrCompiler:
-    """Compiles the constraints xgrammar takes, in a thread of its own, within COMPILE_TIMEOUT_S."""
+    """Compiles the constraints xgrammar takes, in threads of its own (COMPILE_THREADS), within COMPILE_TIMEOUT_S."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids, fill_threads: int | None = None,
                  limits: GrammarLimits = DEFAULT_LIMITS) -> None:
