@@ -62,6 +62,10 @@ class EngineConfig:
     # millisecond), is refused with 400 invalid_grammar (engine/grammar.py).
     grammar_max_size: int = 500_000
     grammar_compile_fuel: int = 1_000_000
+    # A regex or schema pattern whose bounded repeats multiply past these (one chain; a nested chain that varies)
+    # goes to llguidance: xgrammar unrolls them, slowly, and its compile cannot be stopped (grammar_xgr.py).
+    grammar_xgrammar_repeats: int = 2_000
+    grammar_xgrammar_nested_repeats: int = 64
     # auto: xgrammar's masks for JSON schemas and regexes when it is installed, llguidance's for the rest.
     structured_outputs_backend: str = "auto"
     # Who waits for a constrained step's grammar masks (STRUCTURED_WAITS): "device": the engine queues the step
@@ -101,8 +105,9 @@ class EngineConfig:
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              "max_num_batched_tokens must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
-        need(self.grammar_max_size >= 1 and self.grammar_compile_fuel >= 1,
-             "grammar_max_size and grammar_compile_fuel must be >= 1")
+        need(min(self.grammar_max_size, self.grammar_compile_fuel, self.grammar_xgrammar_repeats,
+                 self.grammar_xgrammar_nested_repeats) >= 1,
+             "grammar_max_size, grammar_compile_fuel and grammar_xgrammar_(nested_)repeats must be >= 1")
         need(self.structured_outputs_processes is None or self.structured_outputs_processes >= 1,
              "structured_outputs_processes must be >= 1")
         need(self.structured_outputs_fill_threads is None or self.structured_outputs_fill_threads >= 1,

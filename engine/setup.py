@@ -64,8 +64,10 @@ def structured_outputs(config: EngineConfig, tokenizer, vocab_size: int, eos_tok
     """The grammar process's link, its worker starting (config.structured_outputs_process; None: with CUDA), else
     the matchers in the engine's process. Pass it through structured_outputs_ready before use: the engine
     starts the worker first and waits for it after loading the model (~3-5 s of imports, overlapped)."""
-    args = (tokenizer, vocab_size, eos_token_ids, GrammarLimits(config.grammar_max_size, config.grammar_compile_fuel),
-            config.structured_outputs_backend)
+    limits = GrammarLimits(config.grammar_max_size, config.grammar_compile_fuel,
+                           xgrammar_repeats=config.grammar_xgrammar_repeats,
+                           xgrammar_nested_repeats=config.grammar_xgrammar_nested_repeats)
+    args = (tokenizer, vocab_size, eos_token_ids, limits, config.structured_outputs_backend)
     wanted = config.structured_outputs_process
     if wanted or wanted is None and device.type == "cuda":
         try:

@@ -143,6 +143,10 @@ ENGINE_HELP = {
     "grammar_max_size": "structured outputs: most symbols in a request's grammar (beyond: 400 invalid_grammar)",
     "grammar_compile_fuel": "structured outputs: lexer fuel to build a grammar, ~50k units a millisecond "
                             "(beyond: 400 invalid_grammar)",
+    "grammar_xgrammar_repeats": "structured outputs: a regex whose bounded repeat counts multiply past this along "
+                                "one nesting chain is compiled by llguidance, not xgrammar (which unrolls them)",
+    "grammar_xgrammar_nested_repeats": "structured outputs: the same for a chain of two or more nested bounded "
+                                       "repeats of which one varies (`([a-z]{1,30}){1,30}`: 900)",
     "structured_outputs_backend": "structured outputs' masks: auto (xgrammar for JSON schemas and regexes when "
                                   "installed, llguidance otherwise and for Lark/GBNF grammars and choices), "
                                   "xgrammar (the same, xgrammar required), guidance (llguidance for all)",

@@ -227,6 +227,28 @@ def test_a_pattern_xgrammar_would_take_seconds_on_compiles_with_llguidance_at_on
         so.shutdown()
 
 
+def test_the_repeat_limits_reach_the_compiler_from_the_engine_config(tok):
+    """--grammar-xgrammar-repeats / --grammar-xgrammar-nested-repeats: the engine's structured outputs (here
+    in its own process) screen patterns with the configured limits."""
+    from engine import setup
+    from engine.config import EngineConfig
+
+    config = EngineConfig(model="m", grammar_xgrammar_repeats=100, grammar_xgrammar_nested_repeats=5,
+                          structured_outputs_process=False)
+    so = setup.structured_outputs(config, tok, VOCAB, [tok.eos_token_id], torch.device("cpu"))
+    try:
+        assert (so.limits.xgrammar_repeats, so.limits.xgrammar_nested_repeats) == (100, 5)
+        assert grammar_xgr.regex_supported("^[a-z]{1,100}$", so.limits)
+        assert not grammar_xgr.regex_supported("^[a-z]{1,101}$", so.limits)
+        assert not grammar_xgr.regex_supported("^([a-z]{1,2}){1,3}$", so.limits)
+        assert not isinstance(so.compile(StructuredOutput(regex="[a-z]{1,101}")).result(timeout=30),
+                              grammar_xgr.XgrCompiled)
+        assert isinstance(so.compile(StructuredOutput(regex="[a-z]{1,100}")).result(timeout=30),
+                          grammar_xgr.XgrCompiled)
+    finally:
+        so.shutdown()
+
+
 def test_guidance_backend_never_uses_xgrammar(tok):
     so = StructuredOutputs(tok, VOCAB, [tok.eos_token_id], backend="guidance")
     try:
