@@ -166,7 +166,18 @@ def answer_compiles(worker: Worker, pull: zmq.Socket, push: zmq.Socket) -> None:
     with pull, push:
         while True:
             msg = decoder.decode(pull.recv())
-            worker.compile(msg.constraint).add_done_callback(functools.partial(answer, msg))
+            _compiling(worker, msg).add_done_callback(functools.partial(answer, msg))
+
+
+def _compiling(worker: Worker, msg: Compile) -> Future:
+    """The compile's future; one that could not even start is a failed future (answered, not fatal to the
+    thread that answers every compile)."""
+    try:
+        return worker.compile(msg.constraint)
+    except Exception as exc:  # noqa: BLE001 - answered as the compile's failure
+        failed = Future()
+        failed.set_exception(exc)
+        return failed
 
 
 def _compiled(msg: Compile, compiled: Future) -> Compiled:

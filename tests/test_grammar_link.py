@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
@@ -535,6 +537,42 @@ def test_a_constraint_sent_after_one_slow_to_compile_is_answered_first(remote):
         link.shutdown()
 
 
+def test_a_compile_that_cannot_start_is_answered_and_the_next_ones_still_are():
+    """The grammar process's compile thread answers a compile whose start raised (a failed answer, not a dead
+    thread that would leave every later constraint waiting), then answers the next one."""
+    import zmq
+    from concurrent.futures import Future
+
+    from engine.grammar_messages import Compile, Compiled
+    from engine.grammar_worker import answer_compiles
+
+    class Worker:
+        def compile(self, constraint):
+            if constraint.regex == "boom":
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            done = Future()
+            done.set_result(object())
+            return done
+
+    ctx = zmq.Context.instance()
+    to_worker, pull, push, from_worker = (ctx.socket(t) for t in (zmq.PUSH, zmq.PULL, zmq.PUSH, zmq.PULL))
+    for a, b, name in ((to_worker, pull, "compile"), (push, from_worker, "reply")):
+        b.bind(f"inproc://kvserve-test-{name}")
+        a.connect(f"inproc://kvserve-test-{name}")
+    threading.Thread(target=answer_compiles, args=(Worker(), pull, push), daemon=True).start()
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Compiled)
+    from_worker.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        to_worker.send(encoder.encode(Compile(1, StructuredOutput(regex="boom"))))
+        to_worker.send(encoder.encode(Compile(2, StructuredOutput(regex="ab"))))
+        first, second = decoder.decode(from_worker.recv()), decoder.decode(from_worker.recv())
+        assert first.key == 1 and "RuntimeError" in first.error and "cannot schedule" in first.error
+        assert second.key == 2 and second.error is None
+    finally:
+        to_worker.close(linger=0)
+        from_worker.close(linger=0)
+
+
 def test_a_compile_waiting_on_a_dead_worker_fails(link):
     """A compile registered with a worker that has died (even after it died) fails within a moment, so no
     request waits forever for its grammar."""
@@ -604,8 +642,6 @@ def test_the_engine_spins_for_an_answer_and_a_hang_up_ends_the_spin(link, monkey
     """With a 5 s spin the answer is read once it is there, not after the spin, and the masks equal a blocking
     wait's; a worker killed while the engine spins (stopped first, so it cannot answer) ends the wait at
     once: its rows allow every token and its grammars are broken."""
-    import threading
-
     monkeypatch.setattr(grammar_link, "POLL_MS", 10_000)  # a spin is capped at the wait's own timeout
     compiled = link.compile(StructuredOutput(choice=["yes", "no"]))
     rows = [SimpleNamespace(grammar=link.new_grammar(compiled)) for _ in range(2)]
