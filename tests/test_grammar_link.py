@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -516,61 +517,79 @@ def test_masks_go_to_dev_shm_only_when_it_has_room(tmp_path):
     assert mask_dir(1 << 20, str(tmp_path / "absent")) is None
 
 
-def test_a_constraint_sent_after_one_slow_to_compile_is_answered_first(remote):
-    """The grammar process answers compiles as they finish: a schema sent after one whose xgrammar compile runs
-    past its timeout (nested bounded repeats: ~12 s on the 2-core CPU; the limits that send such a pattern to
-    llguidance are lifted here) is ready while the slow one still compiles. Before, the process answered one
-    compile at a time, and the second waited 5 s or more."""
-    pytest.importorskip("xgrammar")
-    from engine.grammar import GrammarLimits
+class FakeCompiles:
+    """A grammar process's compile side without the process: answer_compiles in a thread, its ZeroMQ sockets
+    inproc; `worker.compile(constraint)` is what the test gives."""
 
-    e = remote.engine
-    limits = GrammarLimits(xgrammar_repeats=10 ** 9, xgrammar_nested_repeats=10 ** 9)
-    link = GrammarLink(e.tokenizer, e.vocab_size, e.eos_token_ids, limits, "auto", 4)
+    def __init__(self, compile_fn) -> None:
+        import zmq
+
+        from engine.grammar_worker import answer_compiles
+
+        ctx = zmq.Context.instance()
+        self.to_worker, pull, push, self.from_worker = (ctx.socket(t) for t in (zmq.PUSH, zmq.PULL, zmq.PUSH,
+                                                                                zmq.PULL))
+        tag = f"{os.getpid()}-{id(self)}"
+        for a, b, name in ((self.to_worker, pull, "compile"), (push, self.from_worker, "reply")):
+            b.bind(f"inproc://kvserve-test-{name}-{tag}")
+            a.connect(f"inproc://kvserve-test-{name}-{tag}")
+        self.from_worker.setsockopt(zmq.RCVTIMEO, 5000)
+        worker = SimpleNamespace(compile=compile_fn)
+        threading.Thread(target=answer_compiles, args=(worker, pull, push), daemon=True).start()
+
+    def send(self, key: int, so: StructuredOutput) -> None:
+        from engine.grammar_messages import Compile
+
+        self.to_worker.send(msgspec.msgpack.encode(Compile(key, so)))
+
+    def answer(self):
+        from engine.grammar_messages import Compiled
+
+        return msgspec.msgpack.decode(self.from_worker.recv(), type=Compiled)
+
+    def close(self) -> None:
+        self.to_worker.close(linger=0)
+        self.from_worker.close(linger=0)
+
+
+def done_future(result=None) -> Future:
+    future = Future()
+    future.set_result(result)
+    return future
+
+
+def test_the_grammar_process_answers_compiles_as_they_finish():
+    """A compile sent after one still compiling (xgrammar took 12 s on `([a-z]{1,30}){1,30}` before the regex
+    screen) is answered first; the slow one once it ends. Before, the process answered one at a time."""
+    slow = Future()
+    fake = FakeCompiles(lambda so: slow if so.regex == "slow" else done_future(object()))
     try:
-        assert link.wait_ready() is None
-        slow = link.compile(StructuredOutput(json=json.dumps({"type": "string", "pattern": "^([a-z]{1,30}){1,30}$"})))
-        fast = link.compile(StructuredOutput(json=json.dumps(SCHEMA)))
-        fast.result(timeout=4)
-        assert not slow.done()
+        fake.send(1, StructuredOutput(regex="slow"))
+        fake.send(2, StructuredOutput(regex="ab"))
+        assert fake.answer().key == 2
+        slow.set_result(object())
+        assert fake.answer().key == 1
     finally:
-        link.shutdown()
+        fake.close()
 
 
 def test_a_compile_that_cannot_start_is_answered_and_the_next_ones_still_are():
     """The grammar process's compile thread answers a compile whose start raised (a failed answer, not a dead
     thread that would leave every later constraint waiting), then answers the next one."""
-    import zmq
-    from concurrent.futures import Future
+    def compile_fn(so):
+        if so.regex == "boom":
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return done_future(object())
 
-    from engine.grammar_messages import Compile, Compiled
-    from engine.grammar_worker import answer_compiles
-
-    class Worker:
-        def compile(self, constraint):
-            if constraint.regex == "boom":
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            done = Future()
-            done.set_result(object())
-            return done
-
-    ctx = zmq.Context.instance()
-    to_worker, pull, push, from_worker = (ctx.socket(t) for t in (zmq.PUSH, zmq.PULL, zmq.PUSH, zmq.PULL))
-    for a, b, name in ((to_worker, pull, "compile"), (push, from_worker, "reply")):
-        b.bind(f"inproc://kvserve-test-{name}")
-        a.connect(f"inproc://kvserve-test-{name}")
-    threading.Thread(target=answer_compiles, args=(Worker(), pull, push), daemon=True).start()
-    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Compiled)
-    from_worker.setsockopt(zmq.RCVTIMEO, 5000)
+    fake = FakeCompiles(compile_fn)
     try:
-        to_worker.send(encoder.encode(Compile(1, StructuredOutput(regex="boom"))))
-        to_worker.send(encoder.encode(Compile(2, StructuredOutput(regex="ab"))))
-        first, second = decoder.decode(from_worker.recv()), decoder.decode(from_worker.recv())
+        fake.send(1, StructuredOutput(regex="boom"))
+        fake.send(2, StructuredOutput(regex="ab"))
+        first, second = fake.answer(), fake.answer()
         assert first.key == 1 and "RuntimeError" in first.error and "cannot schedule" in first.error
         assert second.key == 2 and second.error is None
     finally:
-        to_worker.close(linger=0)
-        from_worker.close(linger=0)
+        fake.close()
 
 
 def test_a_compile_waiting_on_a_dead_worker_fails(link):
