@@ -38,9 +38,12 @@ def workloads(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
     # W-L's steps (issue 19): two fresh 8k prompts; a prompt's second chunk over its cached first one beside a
     # fresh one and W-L's 64 decodes; W-L's decode steps at 8k and 32k contexts.
     wl_chunk = [(4096, 4096), (0, 8192), (0, 4032)] + [(rng.randint(8192, 8448), 1) for _ in range(64)]
+    # A typical W-L step as the scheduler makes it: the decodes' tokens finish one prompt, two fresh ones follow.
+    wl_step = [(8152, 40), (0, 8192), (0, 8112)] + [(rng.randint(8192, 8448), 1) for _ in range(40)]
     return {"decode 256 x ~600": decode, "mixed 4 prefills + 128 decodes": mixed, "decode 8 x ~8k": long_decode,
             "decode 256 x 100-2k": spread, "prefill 2 x 8k fresh": [(0, 8192), (0, 8192)],
             "prefill 8k chunks over 4k cached + 64 decodes": wl_chunk,
+            "prefill W-L step: 40 tokens over 8k, 2 fresh 8k, 40 decodes": wl_step,
             "decode 64 x ~8k": [(rng.randint(8192, 8448), 1) for _ in range(64)],
             "decode 64 x ~32k": [(rng.randint(32768, 33024), 1) for _ in range(64)]}
 
