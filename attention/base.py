@@ -47,11 +47,6 @@ class AttentionMetadata:
     seq_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
-    # The batch's last num_fresh_prefills prefills have no cached context and hold its last
-    # num_fresh_prefill_tokens prefill tokens: their keys are the step's own, so a backend may attend over
-    # `key`/`value` without the page table (the hybrid's flash-attn-4 path). 0 when unknown (graphs).
-    num_fresh_prefills: int = 0
-    num_fresh_prefill_tokens: int = 0
 
     @property
     def num_seqs(self) -> int:

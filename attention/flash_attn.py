@@ -78,36 +78,19 @@ class FlashAttnBackend(AttentionBackend):
             raise ValueError(f"attention backend 'flash-attn' needs the flash-attn 2.x package: {e}") from e
 
 
-def flash_attn_4_paged(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, max_query_len: int,
-                       scale: float) -> torch.Tensor:
-    """Causal attention of a batch's queries over their sequences' pages -> [num_tokens, num_heads, head_dim]."""
-    from flash_attn.cute import flash_attn_varlen_func
-
-    # max_seqlen_k stays unset: the kernel then bounds keys by the block-table width, a shape,
-    # so nothing here depends on this step's lengths beyond max_query_len (1 for decode graphs).
-    # num_splits=1: flash-attn-4 4.0.0b36 asserts "SplitKV not supported on SM 9.0" otherwise.
-    out, _ = flash_attn_varlen_func(
-        query, key_cache, value_cache, cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len,
-        seqused_k=seq_lens, page_table=block_tables, softmax_scale=scale, causal=True, num_splits=1)
-    return out
-
-
-def flash_attn_4_dense(query, key, value, cu_seqlens, max_seqlen: int, scale: float) -> torch.Tensor:
-    """Fresh prompts: causal attention over their own contiguous K/V, no page table. On the H200, one layer of
-    two fresh 8k prompts took 445 us this way against 510 us through 128-token pages (docs/benchmarks.md, W-L)."""
-    from flash_attn.cute import flash_attn_varlen_func
-
-    out, _ = flash_attn_varlen_func(query, key, value, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                    max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=scale,
-                                    causal=True)
-    return out
-
-
 class FlashAttn4Impl(AttentionImpl):
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
+        from flash_attn.cute import flash_attn_varlen_func
+
         _write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        return flash_attn_4_paged(query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens,
-                                  meta.block_tables, meta.max_query_len, self.scale)
+        # max_seqlen_k stays unset: the kernel then bounds keys by the block-table width, a shape,
+        # so nothing here depends on this step's lengths beyond max_query_len (1 for decode graphs).
+        # num_splits=1: flash-attn-4 4.0.0b36 asserts "SplitKV not supported on SM 9.0" otherwise.
+        out, _ = flash_attn_varlen_func(
+            query, key_cache, value_cache, cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
+            seqused_k=meta.seq_lens, page_table=meta.block_tables, softmax_scale=self.scale, causal=True,
+            num_splits=1)
+        return out  # [num_tokens, num_heads, head_dim]
 
     def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, metas: list[AttentionMetadata]) -> None:
         """flash-attn-4 compiles its kernel (CuTe DSL) on the first call with a new compile key, which holds no

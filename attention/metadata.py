@@ -67,12 +67,6 @@ def _seq_arrays(seqs: Sequence[SeqSpec], block_size: int) -> tuple[np.ndarray, n
     return context, query, num_prefills
 
 
-def _fresh_prefill_tail(prefill_context_lens: np.ndarray) -> int:
-    """How many of the last prefills have no cached context (AttentionMetadata.num_fresh_prefills)."""
-    cached = np.flatnonzero(prefill_context_lens)
-    return len(prefill_context_lens) - (int(cached[-1]) + 1 if cached.size else 0)
-
-
 def _num_padding(num_real: int, pad_to: int | None, what: str) -> int | None:
     if pad_to is None:
         return None
@@ -110,8 +104,6 @@ class HostMetadata:
     context_lens: np.ndarray  # [num_seqs] int64
     query_start_loc: np.ndarray  # [num_seqs + 1] int64
     seq_start_loc: np.ndarray  # [num_seqs + 1] int64
-    num_fresh_prefills: int = 0  # AttentionMetadata's fields of the same names
-    num_fresh_prefill_tokens: int = 0
 
     @property
     def max_query_len(self) -> int:
@@ -180,8 +172,6 @@ class AttentionMetadataBuilder:
             seq_start_loc=self._to_device(host.seq_start_loc, torch.int32),
             max_query_len=host.max_query_len,
             max_seq_len=host.max_seq_len,
-            num_fresh_prefills=host.num_fresh_prefills,
-            num_fresh_prefill_tokens=host.num_fresh_prefill_tokens,
         )
 
     def build_host(self, seqs: Sequence[SeqSpec], pad_to_num_tokens: int | None = None,
@@ -205,12 +195,10 @@ class AttentionMetadataBuilder:
         seq_start_loc = np.concatenate(([0], np.cumsum(seq_lens)))
         slot_mapping = np.full(int(query_start_loc[-1]), PAD_SLOT_ID, np.int64)
         slot_mapping[:num_real_tokens] = self._slot_mapping(block_tables, context, query, query_start_loc)
-        fresh = _fresh_prefill_tail(context[:num_prefills])
         if general:  # every sequence through the general path (see the module doc)
-            num_prefills, fresh = len(query_lens), 0
+            num_prefills = len(query_lens)
         return HostMetadata(num_prefills, int(query_lens[:num_prefills].sum()), slot_mapping, block_tables, seq_lens,
-                            context_lens, query_start_loc, seq_start_loc, num_fresh_prefills=fresh,
-                            num_fresh_prefill_tokens=int(query_lens[num_prefills - fresh:num_prefills].sum()))
+                            context_lens, query_start_loc, seq_start_loc)
 
     def _block_tables(self, seqs: Sequence[SeqSpec], seq_lens: np.ndarray, num_pad: int,
                       pad_to_blocks_per_seq: int | None, table_rows: BlockTableRows | None) -> np.ndarray:

@@ -373,10 +373,6 @@ class TritonAttentionImpl(AttentionImpl):
 
     def forward(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_kv_triton(key, value, key_cache, value_cache, meta.slot_mapping)
-        return self.attend(query, key_cache, value_cache, meta)
-
-    def attend(self, query, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention alone, over caches that already hold the step's K/V."""
         if self._sm_count is None:
             self._sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count
         return paged_attention_triton(query, key_cache, value_cache, meta, self.scale, self._sm_count,

@@ -238,27 +238,17 @@ def test_mixed_cuda_graph_replay_with_another_batch_make_up(name):
     _capture_then_replay_with(impl, ref_impl, static, fresh)
 
 
-def test_hybrid_sends_only_long_prefill_steps_to_flash_attn(monkeypatch):
-    """CUDA graphs must capture the Triton path only: every mixed graph is at most FLASH_MIN_TOKENS long. A long
-    step's fresh prompts go to flash-attn-4 without pages, its long chunks over cached context through them,
-    its short chunks and its decodes to Triton."""
-    import attention.hybrid as hybrid
+def test_hybrid_sends_only_long_prefill_steps_to_flash_attn():
+    """CUDA graphs must capture the Triton path only: every mixed graph is at most FLASH_MIN_TOKENS long."""
+    from attention.hybrid import FLASH_MIN_TOKENS
     from engine.cuda_graphs import MAX_MIXED_GRAPH_TOKENS
 
-    assert hybrid.FLASH_MIN_TOKENS >= MAX_MIXED_GRAPH_TOKENS
+    assert FLASH_MIN_TOKENS >= MAX_MIXED_GRAPH_TOKENS
     backend = _backend_or_skip("triton+flash-attn-4", 64, 16)
     impl = backend.impl_cls(14, 64, 64 ** -0.5, NUM_KV_HEADS)
     calls = []
-    monkeypatch.setattr(hybrid, "flash_attn_4_paged", lambda q, *a: calls.append(("paged", len(q))) or q.clone())
-    monkeypatch.setattr(hybrid, "flash_attn_4_dense", lambda q, *a: calls.append(("dense", len(q))) or q.clone())
-    attend = impl.decode.attend
-    impl.decode.attend = lambda q, *a: calls.append(("triton", len(q))) or attend(q, *a)
-    cases = (([(0, 600), (40, 1)], [("triton", 601)]),
-             ([(0, 3000), (40, 1)], [("dense", 3000), ("triton", 1)]),
-             ([(0, 1500)] * 2, [("triton", 3000)]), ([(900, 1)] * 4, [("triton", 4)]),
-             ([(5000, 3000), (0, 77), (0, 5), (40, 1)], [("paged", 3000), ("dense", 82), ("triton", 1)]),
-             ([(5000, 40), (0, 3000)], [("triton", 40), ("dense", 3000)]),
-             ([(0, 3000), (5000, 40), (9, 1), (9, 1)], [("paged", 3040), ("triton", 2)]))
+    impl.prefill.forward = lambda *a: calls.append("flash") or impl.decode.forward(*a)
+    cases = (([(0, 600), (40, 1)], []), ([(0, 3000), (40, 1)], ["flash"]), ([(0, 1500)] * 2, []), ([(900, 1)] * 4, []))
     for lens, expected in cases:
         calls.clear()
         batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, 16, torch.bfloat16, "cuda", seed=3)
@@ -275,8 +265,8 @@ LONG_STEPS = {"long chunk": [(5000, 3192), (0, 4100), (0, 77)], "short chunk": [
 def test_long_prefill_chunks_match_reference(name, block_size, step):
     """W-L's step shapes: an 8k prompt's chunk over cached context (long, or W-L's few dozen tokens), fresh
     prompts, decodes over ~8k keys, blocks scattered over the pool (issue 19: unmasked tiles, longest query
-    blocks first, the hybrid's split by kind), in 16-token pages and in 128-token ones (flash-attn-4's TMA path
-    on Hopper)."""
+    blocks first, hybrid routing), in 16-token pages and in 128-token ones (flash-attn-4's TMA path on
+    Hopper)."""
     backend = _backend_or_skip(name, 64, block_size)
     lens = LONG_STEPS[step] + [(8000 + 37 * i, 1) for i in range(6)]
     batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, block_size, torch.bfloat16, "cuda", seed=19)

@@ -37,21 +37,6 @@ def test_mixed_batch_exact_tensors():
     _eq(m.context_lens, [0, 6, 3, 8, 4], torch.int32)
     _eq(m.query_start_loc, [0, 5, 8, 9, 10, 11], torch.int32)
     _eq(m.seq_start_loc, [0, 5, 14, 18, 27, 32], torch.int32)
-    assert (m.num_fresh_prefills, m.num_fresh_prefill_tokens) == (0, 0)  # the last prefill has cached context
-
-
-def test_fresh_prefills_are_the_trailing_prefills_with_no_cached_context():
-    """The hybrid backend attends over these prompts' own K/V without the page table: only a tail of
-    prefills with context_len 0 counts, never a fresh prompt before a cached chunk, nor padding."""
-    fresh = [SeqSpec(0, 4, [3]), SeqSpec(0, 2, [9])]
-    m = AttentionMetadataBuilder(BS, "cpu").build(MIXED[1:2] + fresh + MIXED[2:])
-    assert (m.num_prefills, m.num_prefill_tokens, m.num_fresh_prefills, m.num_fresh_prefill_tokens) == (3, 9, 2, 6)
-    m = AttentionMetadataBuilder(BS, "cpu").build(fresh + MIXED[1:])
-    assert (m.num_prefills, m.num_fresh_prefills, m.num_fresh_prefill_tokens) == (3, 0, 0)
-    m = AttentionMetadataBuilder(BS, "cpu").build(fresh, pad_to_num_tokens=9, pad_to_num_seqs=4)
-    assert (m.num_prefills, m.num_fresh_prefills) == (4, 0)  # a mixed graph's layout: the general path
-    m = AttentionMetadataBuilder(BS, "cpu").build(MIXED[2:])
-    assert (m.num_prefills, m.num_fresh_prefills, m.num_fresh_prefill_tokens) == (0, 0, 0)
 
 
 def test_padding_appends_one_token_decodes_that_write_nothing():
