@@ -28,6 +28,14 @@ case "$what" in
     PYTHONPATH=/tmp/vllm-site python3 -c "import vllm" 2>/dev/null \
       || { echo "vLLM is not staged on this machine (stage vllm-1..4 again: the machine was fresh)" >&2; exit 3; } ;;
 esac
+# The engine imports msgspec and pyzmq (its grammar process's messages), which the gpu-1..3 folders lack: the
+# twenty-first session's W-L runs stopped there. .carry/extra (benchmarks/fetch_extra_wheels.sh) has both.
+case "$what" in
+  wb|wa|wl*|vs-vllm*|profile|first-rep|hf|pair)
+    [ -d .carry/extra ] && pip install --target /tmp/site --no-deps -q .carry/extra/*.whl 2>&1 | grep -v WARNING | tail -2
+    python3 -c "import engine.setup" 2>/dev/null \
+      || { echo "kvserve's engine does not import here (msgspec, pyzmq?): carry .carry/extra" >&2; exit 3; } ;;
+esac
 case "$what" in
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
