@@ -17,6 +17,7 @@ dl() {
     python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 "${tags[@]}" --platform any \
         -d "$1" "${@:2}"
 }
-dl .carry/extra pyzmq msgspec setproctitle httptools fastapi-offline "llguidance>=1.0" pytest-timeout "xgrammar>=0.2.9" py-spy
+dl .carry/extra pyzmq msgspec setproctitle httptools fastapi-offline "llguidance>=1.0" pytest-timeout "xgrammar>=0.2.9" py-spy \
+    jsonschema jsonschema-specifications referencing rpds-py attrs  # the last line: tests that validate JSON outputs
 dl .carry/vllm-extra lm-format-enforcer==0.11.3 interegular outlines_core==0.2.14 diskcache==5.6.3 lark==1.2.2
 ls .carry/extra .carry/vllm-extra

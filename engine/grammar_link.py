@@ -167,7 +167,7 @@ class GrammarLink:
         self.shards = [Shard(k, self._start_worker()) for k in range(processes)]
         self._workers = [shard.worker for shard in self.shards]  # every worker started, killed at exit
         weakref.finalize(self, kill_all, self._workers)
-        weakref.finalize(self, self.flags.fill_, RELEASED)  # collected unshut: no wait on the device is left
+        self._release = weakref.finalize(self, release_masks, self.masks, self.flags, self.pinned)  # also unshut
 
     @property
     def worker(self) -> GrammarProcess:
@@ -375,9 +375,7 @@ class GrammarLink:
         self._closed.set()
         for shard in self.shards:
             shard.worker.stop()
-        self.flags.fill_(RELEASED)  # a wait still queued on the device returns
-        if self.pinned:  # every step was read, so no copy from the masks is in flight
-            torch.cuda.cudart().cudaHostUnregister(self.masks.data_ptr())
+        self._release()
         self._mask_file.close()
 
 
@@ -434,5 +432,27 @@ def _pin(masks: torch.Tensor, nbytes: int | None = None) -> bool:
     nbytes = nbytes or masks.numel() * masks.element_size()
     code = int(torch.cuda.cudart().cudaHostRegister(masks.data_ptr(), nbytes, 0))
     if code != 0:
+        _drop_cuda_error()
         logger.warning("could not page-lock the grammar masks (cudaHostRegister: %s): their copies wait", code)
     return code == 0
+
+
+def release_masks(masks: torch.Tensor, flags: torch.Tensor, pinned: bool) -> None:
+    """At shutdown, or when a link is collected unshut: every wait queued on the device returns, then the masks
+    are unpinned while still mapped. A mapping freed pinned left CUDA holding its range, and the next link mapped
+    at that address could not pin its masks (cudaHostRegister: 712), seen on a GPU host after a test's engine was
+    collected unshut."""
+    flags.fill_(RELEASED)
+    if pinned:
+        torch.cuda.synchronize()  # no copy from the masks is left in flight
+        torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
+
+
+def _drop_cuda_error() -> None:
+    """A failed cudaHostRegister stays the CUDA runtime's last error, and the next kernel launch anywhere in the
+    process raises it: on a GPU host the engine's KV allocation failed with 712 right after the warning of _pin. A
+    launch here reads the error back, which clears it."""
+    try:
+        torch.empty(1, device="cuda").zero_()
+    except RuntimeError:  # the registration's error, read back by this launch; the launch itself cannot fail
+        pass

@@ -178,7 +178,9 @@ def start_server_process(args: list[str], env: dict | None = None, port: int | N
     runs it under a wrapper (`prlimit --nofile=256`)."""
     port = port or free_port()
     cmd = [*(prefix or []), sys.executable, "-m", "server", "serve", "--port", str(port), *args]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    # The repository first, then what the caller's path held (a GPU host's wheels live in a --target folder).
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log = log
