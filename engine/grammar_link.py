@@ -167,7 +167,7 @@ class GrammarLink:
         self.shards = [Shard(k, self._start_worker()) for k in range(processes)]
         self._workers = [shard.worker for shard in self.shards]  # every worker started, killed at exit
         weakref.finalize(self, kill_all, self._workers)
-        self._release = weakref.finalize(self, release_masks, self.masks, self.flags, self.pinned)  # also unshut
+        self._release = weakref.finalize(self, release_masks, self.masks, self.flags, self.pinned, os.getpid())
 
     @property
     def worker(self) -> GrammarProcess:
@@ -437,13 +437,14 @@ def _pin(masks: torch.Tensor, nbytes: int | None = None) -> bool:
     return code == 0
 
 
-def release_masks(masks: torch.Tensor, flags: torch.Tensor, pinned: bool) -> None:
+def release_masks(masks: torch.Tensor, flags: torch.Tensor, pinned: bool, pid: int) -> None:
     """At shutdown, or when a link is collected unshut: every wait queued on the device returns, then the masks
     are unpinned while still mapped. A mapping freed pinned left CUDA holding its range, and the next link mapped
     at that address could not pin its masks (cudaHostRegister: 712), seen on a GPU host after a test's engine was
-    collected unshut."""
+    collected unshut. Only the process that pinned them unpins (a forked child runs the finalizers at its exit
+    too, and cannot use CUDA)."""
     flags.fill_(RELEASED)
-    if pinned:
+    if pinned and os.getpid() == pid:
         torch.cuda.synchronize()  # no copy from the masks is left in flight
         torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
 
