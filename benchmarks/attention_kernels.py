@@ -123,7 +123,12 @@ def bench_triton_variant(batch, layers, heads: tuple[int, int, int], iters: int,
 TRITON_VARIANTS = {"triton (split-KV off)": {"num_splits": 1}, **{
     f"triton (decode ranges of {n})": {"decode_split_keys": n} for n in (256, 512, 1024)},
     "triton (pointer decode)": {"decode_kernel": "pointer"}, **{
-    f"triton (TMA decode, ranges of {n})": {"decode_kernel": "tma", "decode_split_keys": n} for n in (1024, 2048)}}
+    f"triton (TMA decode, ranges of {n})": {"decode_kernel": "tma", "decode_split_keys": n} for n in (1024, 2048)},
+    # Every sequence split evenly into n ranges (at least 256 keys each): W-L's 64 x 2 (sequence, kv head) pairs
+    # give 512 programs at n = 4, about one wave at 4 programs an SM, where ranges of 1024 give ~1,150 programs
+    # (9 a pair, the last short) in ~2.2 waves. A host rule by batch size would keep CUDA graphs valid.
+    **{f"triton (even split into {n})": {"num_splits": n, "decode_split_keys": 256} for n in (2, 4, 8)},
+    "triton (TMA decode, even split into 4)": {"decode_kernel": "tma", "num_splits": 4, "decode_split_keys": 256}}
 # Prefill tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) against _tiles' choice, for batches with prefills.
 TRITON_PREFILL_TILES = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3),
                         (256, 64, 8, 2)]
@@ -188,7 +193,7 @@ def run(iters: int, only: str | None = None, block_size: int = 16, backends: lis
                 if name == "triton" and with_variants:
                     variants += [(label, functools.partial(bench_triton_variant, batch, layers, heads, iters, **opts))
                                  for label, opts in TRITON_VARIANTS.items()
-                                 if work_name.startswith("decode") or opts.get("num_splits")]
+                                 if work_name.startswith("decode") or opts.get("num_splits") == 1]
                     tiles = TRITON_DECODE_TILES if work_name.startswith("decode") else TRITON_PREFILL_TILES
                     variants += [(f"triton (tiles {t})", functools.partial(  # decodes: the pointer kernel's
                         bench_triton_variant, batch, layers, heads, iters, tiles=t, decode_kernel="pointer"))

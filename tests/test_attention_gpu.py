@@ -120,6 +120,28 @@ def test_triton_decode_ranges_match_reference(split_keys, head_dim):
     assert _rel_err(out[:n], ref[:n]) < 1e-2
 
 
+@pytest.mark.parametrize("decode_kernel", ["pointer", "tma"])
+@pytest.mark.parametrize("num_splits", [2, 4, 8])
+def test_triton_decode_even_splits_match_reference(num_splits, decode_kernel):
+    """benchmarks/attention_kernels.py's "even split" variants: every sequence in num_splits ranges of at least
+    256 keys (short ones in fewer), over W-L-like contexts and short ones, 128-token pages."""
+    _backend_or_skip("triton", 64, 128)
+    if decode_kernel == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA decode kernel needs Hopper")
+    from attention.triton_paged import paged_attention_triton, write_kv_triton
+
+    rng = random.Random(num_splits)
+    lens = [(0, 1), (255, 1), (256, 1), (1000, 1)] + [(rng.randint(7000, 9000), 1) for _ in range(20)]
+    batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, 128, torch.bfloat16, "cuda", seed=num_splits)
+    ref = TorchAttentionImpl(14, 64, 64 ** -0.5, NUM_KV_HEADS).forward(
+        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
+    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, 64 ** -0.5,
+                                 sm_count=132, num_splits=num_splits, decode_split_keys=256,
+                                 decode_kernel=decode_kernel)
+    assert _rel_err(out, ref) < 1e-2
+
+
 # Decode tiles benchmarks/attention_kernels.py times against _tiles' choice (W-L's decode steps read K/V at
 # ~3.3 TB/s of the H200's ~4.8): each checked here first, on 128- and 16-token pages.
 DECODE_TILES = [(16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 4), (16, 256, 8, 2)]
