@@ -445,8 +445,11 @@ def release_masks(masks: torch.Tensor, flags: torch.Tensor, pinned: bool, pid: i
     too, and cannot use CUDA)."""
     flags.fill_(RELEASED)
     if pinned and os.getpid() == pid:
-        torch.cuda.synchronize()  # no copy from the masks is left in flight
-        torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
+        try:
+            torch.cuda.synchronize()  # no copy from the masks is left in flight
+            torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
+        except RuntimeError as e:  # a device already failed: teardown goes on, the process is ending anyway
+            logger.warning("could not unpin the grammar masks: %s", e)
 
 
 def _drop_cuda_error() -> None:
