@@ -375,7 +375,8 @@ class GrammarLink:
         self._closed.set()
         for shard in self.shards:
             shard.worker.stop()
-        self._release()
+        if (release := self._release.detach()) is not None:  # every step was read: no copy is in flight
+            release_masks(*release[2], in_flight=False)
         self._mask_file.close()
 
 
@@ -437,16 +438,18 @@ def _pin(masks: torch.Tensor, nbytes: int | None = None) -> bool:
     return code == 0
 
 
-def release_masks(masks: torch.Tensor, flags: torch.Tensor, pinned: bool, pid: int) -> None:
+def release_masks(masks: torch.Tensor, flags: torch.Tensor, pinned: bool, pid: int, in_flight: bool = True) -> None:
     """At shutdown, or when a link is collected unshut: every wait queued on the device returns, then the masks
     are unpinned while still mapped. A mapping freed pinned left CUDA holding its range, and the next link mapped
     at that address could not pin its masks (cudaHostRegister: 712), seen on a GPU host after a test's engine was
-    collected unshut. Only the process that pinned them unpins (a forked child runs the finalizers at its exit
-    too, and cannot use CUDA)."""
+    collected unshut. `in_flight`: a copy from the masks may still be queued (collected unshut), so the device
+    is synchronized first. Only the process that pinned them unpins (a forked child runs the finalizers at its
+    exit too, and cannot use CUDA)."""
     flags.fill_(RELEASED)
     if pinned and os.getpid() == pid:
         try:
-            torch.cuda.synchronize()  # no copy from the masks is left in flight
+            if in_flight:
+                torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(masks.data_ptr())
         except RuntimeError as e:  # a device already failed: teardown goes on, the process is ending anyway
             logger.warning("could not unpin the grammar masks: %s", e)
