@@ -60,12 +60,12 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks on random-weight models)
     # Structured outputs: a grammar with more symbols, or whose lexer needs more fuel to build (~50k units a
     # millisecond), is refused with 400 invalid_grammar (engine/grammar.py).
-    grammar_max_size: int = 500_000
-    grammar_compile_fuel: int = 1_000_000
+    grammar_max_size: int = grammar_xgr.DEFAULT_LIMITS.max_grammar_size
+    grammar_compile_fuel: int = grammar_xgr.DEFAULT_LIMITS.lexer_fuel
     # A regex or schema pattern whose bounded repeats multiply past these (one chain; a nested chain that varies)
     # goes to llguidance: xgrammar unrolls them, slowly, and its compile cannot be stopped (grammar_xgr.py).
-    grammar_xgrammar_repeats: int = 2_000
-    grammar_xgrammar_nested_repeats: int = 64
+    grammar_xgrammar_repeats: int = grammar_xgr.DEFAULT_LIMITS.xgrammar_repeats
+    grammar_xgrammar_nested_repeats: int = grammar_xgr.DEFAULT_LIMITS.xgrammar_nested_repeats
     # auto: xgrammar's masks for JSON schemas and regexes when it is installed, llguidance's for the rest.
     structured_outputs_backend: str = "auto"
     # Who waits for a constrained step's grammar masks (STRUCTURED_WAITS): "device": the engine queues the step

@@ -83,19 +83,26 @@ def test_padded_decode_batch_matches_reference(name, block_size, group, head_dim
     assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
+def _triton_against_reference(batch, head_dim: int):
+    """(the reference's output, a call of our Triton kernel with options over the batch's caches, its new K/V
+    written as the layer writes them)."""
+    from attention.triton_paged import paged_attention_triton, write_kv_triton
+
+    ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
+        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
+    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    return ref, lambda **options: paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta,
+                                                         head_dim ** -0.5, sm_count=132, **options)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 8, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_split_kv_matches_reference(num_splits, head_dim):
     _backend_or_skip("triton", head_dim, 16)
-    from attention.triton_paged import paged_attention_triton, write_kv_triton
-
     lens = random_mixed_lens(random.Random(num_splits), num_prefills=2, num_decodes=5, max_len=3000)
     batch = make_random_batch(lens, 14, NUM_KV_HEADS, head_dim, 16, torch.bfloat16, "cuda", seed=num_splits)
-    ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
-        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
-    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
-    out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, head_dim ** -0.5,
-                                 sm_count=132, num_splits=num_splits)
+    ref, triton_attention = _triton_against_reference(batch, head_dim)
+    out = triton_attention(num_splits=num_splits)
     assert _rel_err(out, ref) < 1e-2
 
 
@@ -105,17 +112,12 @@ def test_triton_decode_ranges_match_reference(split_keys, head_dim):
     """Decode-only batches split each sequence by its length (ranges past its end exit, the merge reads only
     the used ones): mixed lengths, a graph's padded block table and padded sequences."""
     _backend_or_skip("triton", head_dim, 16)
-    from attention.triton_paged import paged_attention_triton, write_kv_triton
-
     rng = random.Random(split_keys + head_dim)
     lens = [(0, 1), (1, 1), (split_keys - 1, 1), (split_keys, 1)] + [(rng.randint(0, 3000), 1) for _ in range(20)]
     batch = make_random_batch(lens, 14, NUM_KV_HEADS, head_dim, 16, torch.bfloat16, "cuda", seed=split_keys,
                               pad_to_num_tokens=32, pad_to_blocks_per_seq=4096 // 16)
-    ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
-        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
-    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
-    out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, head_dim ** -0.5,
-                                 sm_count=132, decode_split_keys=split_keys)
+    ref, triton_attention = _triton_against_reference(batch, head_dim)
+    out = triton_attention(decode_split_keys=split_keys)
     n = len(lens)
     assert _rel_err(out[:n], ref[:n]) < 1e-2
 
@@ -128,17 +130,11 @@ def test_triton_decode_even_splits_match_reference(num_splits, decode_kernel):
     _backend_or_skip("triton", 64, 128)
     if decode_kernel == "tma" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA decode kernel needs Hopper")
-    from attention.triton_paged import paged_attention_triton, write_kv_triton
-
     rng = random.Random(num_splits)
     lens = [(0, 1), (255, 1), (256, 1), (1000, 1)] + [(rng.randint(7000, 9000), 1) for _ in range(20)]
     batch = make_random_batch(lens, 14, NUM_KV_HEADS, 64, 128, torch.bfloat16, "cuda", seed=num_splits)
-    ref = TorchAttentionImpl(14, 64, 64 ** -0.5, NUM_KV_HEADS).forward(
-        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
-    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
-    out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, 64 ** -0.5,
-                                 sm_count=132, num_splits=num_splits, decode_split_keys=256,
-                                 decode_kernel=decode_kernel)
+    ref, triton_attention = _triton_against_reference(batch, 64)
+    out = triton_attention(num_splits=num_splits, decode_split_keys=256, decode_kernel=decode_kernel)
     assert _rel_err(out, ref) < 1e-2
 
 
@@ -154,7 +150,7 @@ DECODE_TILES = [(16, 128, 4, 2), (16, 128, 8, 3), (16, 64, 4, 4), (16, 256, 8, 2
 def test_triton_decode_tiles_match_reference(tiles, block_size, head_dim, decode_kernel):
     _backend_or_skip("triton", head_dim, block_size)
     from attention.triton_decode_tma import tma_decode_fits
-    from attention.triton_paged import _tiles, paged_attention_triton, write_kv_triton
+    from attention.triton_paged import _tiles
 
     block_n = (tiles or _tiles(head_dim, 7, True, block_size))[1]
     if decode_kernel == "tma" and not (tma_decode_fits(head_dim, block_size, block_n)
@@ -164,13 +160,9 @@ def test_triton_decode_tiles_match_reference(tiles, block_size, head_dim, decode
     rng = random.Random(block_size + (tiles or (0, 0))[1] + head_dim)
     lens = [(0, 1), (127, 1), (128, 1), (1024, 1)] + [(rng.randint(0, 9000), 1) for _ in range(28)]
     batch = make_random_batch(lens, 14, NUM_KV_HEADS, head_dim, block_size, torch.bfloat16, "cuda", seed=block_size)
-    ref = TorchAttentionImpl(14, head_dim, head_dim ** -0.5, NUM_KV_HEADS).forward(
-        batch.query, batch.key, batch.value, batch.key_cache.clone(), batch.value_cache.clone(), batch.meta)
-    write_kv_triton(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    ref, triton_attention = _triton_against_reference(batch, head_dim)
     for split_keys in (256, 1024):
-        out = paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, batch.meta, head_dim ** -0.5,
-                                     sm_count=132, decode_split_keys=split_keys, tiles=tiles,
-                                     decode_kernel=decode_kernel)
+        out = triton_attention(decode_split_keys=split_keys, tiles=tiles, decode_kernel=decode_kernel)
         assert _rel_err(out, ref) < 1e-2, (tiles, split_keys)
 
 
