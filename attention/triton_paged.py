@@ -38,8 +38,10 @@ _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the paral
 _MAX_SPLITS = 32
 # Keys per range in decode-only batches, measured on the H200 (docs/benchmarks.md, attention kernels): when
 # the batch alone fills half the GPU or more, ranges only even out the lengths, and long ones cost the fewest
-# partials; when it does not, short ones add the parallelism (_decode_split_keys).
+# partials (longer still over 128-token pages); when it does not, short ones add the parallelism
+# (_decode_split_keys).
 DECODE_SPLIT_KEYS_FULL = 1024
+DECODE_SPLIT_KEYS_FULL_LARGE_PAGES = 2048
 DECODE_SPLIT_KEYS_SPARSE = 256
 # Decode-only batches' kernel where the choice is ours: "pointer" (_paged_attention_kernel) or "tma"
 # (attention/triton_decode_tma.py). On an H100 (docs/benchmarks.md, thirteenth session) the TMA kernel took
@@ -272,11 +274,16 @@ def _num_splits(num_programs: int, max_keys: int, sm_count: int) -> int:
     return _pow2_floor(min(-(-2 * sm_count // num_programs), max_keys // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
 
 
-def _decode_split_keys(num_programs: int, sm_count: int) -> int:
-    """Long ranges once the batch fills half the GPU or more. On the H200 (132 SMs), 64 sequences of ~8k
-    keys (128 programs) took 76 us a layer with ranges of 1024 against 85 us with 256 (W-L's decode steps);
-    8 sequences of ~8k (16 programs) took 20 us with 256 against 37 us with 1024."""
-    return DECODE_SPLIT_KEYS_FULL if 2 * num_programs >= sm_count else DECODE_SPLIT_KEYS_SPARSE
+def _decode_split_keys(num_programs: int, sm_count: int, page_size: int) -> int:
+    """Long ranges once the batch fills half the GPU or more, twice as long over pages of 128 tokens or more
+    (their key tiles are 128 wide). On the H200 (132 SMs), W-L's decode steps, 64 sequences of 8.2-8.4k keys
+    (128 programs), a layer (best of the timed runs): over 16-token pages 76 us with ranges of 1024 against 85
+    with 256; over 128-token pages 75.9 us with four ranges of ~2,176 (75.4 with the TMA kernel's ranges of
+    2048) against 83.1-88.8 with ranges of 1024 (twenty-second session). 8 sequences of ~8k (16 programs)
+    took 20 us with 256 against 37 us with 1024."""
+    if 2 * num_programs < sm_count:
+        return DECODE_SPLIT_KEYS_SPARSE
+    return DECODE_SPLIT_KEYS_FULL_LARGE_PAGES if page_size >= 128 else DECODE_SPLIT_KEYS_FULL
 
 
 def _decode_splits(max_keys: int, split_keys: int) -> int:
@@ -336,7 +343,7 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
     grid_q = meta.num_seqs if decode_only else num_tokens // block_q + meta.num_seqs
     max_keys = meta.block_tables.shape[1] * page_size
     if decode_only:
-        split_keys = decode_split_keys or _decode_split_keys(grid_q * num_kv_heads, sm_count)
+        split_keys = decode_split_keys or _decode_split_keys(grid_q * num_kv_heads, sm_count, page_size)
         num_splits = num_splits or _decode_splits(max_keys, split_keys)
     else:  # even ranges, only when the grid is small
         split_keys = block_n
@@ -379,15 +386,16 @@ class TritonAttentionImpl(AttentionImpl):
                                       decode_split_keys=self.decode_split_keys, decode_kernel=self.decode_kernel)
 
     def warm_up(self, key_cache: torch.Tensor, value_cache: torch.Tensor, metas: list[AttentionMetadata]) -> None:
-        """Every split count (and, for decode-only metas, both range lengths) an eager step of these shapes can
-        choose: each is its own compiled variant. With this and flash-attn-4's warm-up, W-L's first timed
-        repetition on the H200 took 2.05 s against 2.02 s for the next (2.71 s before)."""
+        """Every split count (and, for decode-only metas, both range lengths for these pages) an eager step of
+        these shapes can choose: each is its own compiled variant. With this and flash-attn-4's warm-up, W-L's
+        first timed repetition on the H200 took 2.05 s against 2.02 s for the next (2.71 s before)."""
         if self._sm_count is None:
             self._sm_count = torch.cuda.get_device_properties(key_cache.device).multi_processor_count
         splits = [1 << i for i in range(int(math.log2(_MAX_SPLITS)) + 1)]
         for meta in metas:
             query = key_cache.new_zeros((meta.num_tokens, self.num_heads, self.head_dim))
-            key_lens = [None] if meta.num_prefills else [DECODE_SPLIT_KEYS_FULL, DECODE_SPLIT_KEYS_SPARSE]
+            key_lens = [None] if meta.num_prefills else [
+                _decode_split_keys(self._sm_count, self._sm_count, key_cache.shape[1]), DECODE_SPLIT_KEYS_SPARSE]
             for split_keys in key_lens:
                 for num_splits in splits:
                     paged_attention_triton(query, key_cache, value_cache, meta, self.scale, self._sm_count,

@@ -161,7 +161,7 @@ def test_triton_decode_tiles_match_reference(tiles, block_size, head_dim, decode
     lens = [(0, 1), (127, 1), (128, 1), (1024, 1)] + [(rng.randint(0, 9000), 1) for _ in range(28)]
     batch = make_random_batch(lens, 14, NUM_KV_HEADS, head_dim, block_size, torch.bfloat16, "cuda", seed=block_size)
     ref, triton_attention = _triton_against_reference(batch, head_dim)
-    for split_keys in (256, 1024):
+    for split_keys in (256, 1024, 2048):  # 2048: _decode_split_keys' ranges over 128-token pages
         out = triton_attention(decode_split_keys=split_keys, tiles=tiles, decode_kernel=decode_kernel)
         assert _rel_err(out, ref) < 1e-2, (tiles, split_keys)
 

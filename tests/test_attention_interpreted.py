@@ -38,20 +38,23 @@ def report(errors):
 """
 
 DECODES = PRELUDE + """
-def case(block_size, tiles, seed):
+def case(block_size, tiles, seed, lens=None, ranges=((256, None), (None, 1))):
     rng = random.Random(seed)
-    lens = [(0, 1), (block_size - 1, 1), (block_size, 1), (300, 1)] + [(rng.randint(0, 900), 1) for _ in range(4)]
+    lens = lens or [(0, 1), (block_size - 1, 1), (block_size, 1), (300, 1)] + [(rng.randint(0, 900), 1)
+                                                                             for _ in range(4)]
     b, ref = batch_and_reference(lens, block_size, seed)
     errors = []
     for kernel in ("tma", "pointer"):
-        for split_keys, num_splits in ((256, None), (None, 1)):
+        for split_keys, num_splits in ranges:
             out = paged_attention_triton(b.query, b.key_cache, b.value_cache, b.meta, 0.125, sm_count=132,
                                          num_splits=num_splits, decode_split_keys=split_keys, tiles=tiles,
                                          decode_kernel=kernel)
             errors.append(relative_error(out, ref))
     return errors
 
-report(case(128, (16, 128, 4, 2), 1) + case(64, (16, 64, 4, 3), 2))
+# The last case: ranges of 2048 keys (_decode_split_keys' over 128-token pages), one sequence past one range.
+report(case(128, (16, 128, 4, 2), 1) + case(64, (16, 64, 4, 3), 2)
+       + case(128, (16, 128, 4, 2), 3, lens=[(2200, 1), (130, 1)], ranges=((2048, None),)))
 """
 
 
