@@ -1,6 +1,6 @@
 """Does a constrained step wait for its grammar masks? Per decode step at batch N: wall ms of an unconstrained
-step, of a step whose every row is under a JSON grammar, and inside the latter the mask fill (llguidance's
-parallel executor) and the mask's application to the logits.
+step, of a step whose every row is under a JSON grammar, and inside the latter the mask fill (the grammar
+engine's batch fill: xgrammar's for this schema, engine/grammar_xgr.py) and the mask's application to the logits.
 
     python benchmarks/mask_wait.py --batch 1 8 32 --max-tokens 24 --runs 3 --out mask_wait.json
 
