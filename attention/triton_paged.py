@@ -281,8 +281,11 @@ def _decode_split_keys(num_programs: int, sm_count: int, page_size: int) -> int:
     with 256; over 128-token pages 75.9 us with four ranges of ~2,176 (75.4 with the TMA kernel's ranges of
     2048) against 83.1-88.8 with ranges of 1024 (twenty-second session). 8 sequences of ~8k (16 programs)
     took 20 us with 256 against 37 us with 1024."""
-    if 2 * num_programs < sm_count:
-        return DECODE_SPLIT_KEYS_SPARSE
+    return _long_ranges(page_size) if 2 * num_programs >= sm_count else DECODE_SPLIT_KEYS_SPARSE
+
+
+def _long_ranges(page_size: int) -> int:
+    """Keys per range for a batch that fills half the GPU or more (_decode_split_keys says why)."""
     return DECODE_SPLIT_KEYS_FULL_LARGE_PAGES if page_size >= 128 else DECODE_SPLIT_KEYS_FULL
 
 
@@ -394,8 +397,7 @@ class TritonAttentionImpl(AttentionImpl):
         splits = [1 << i for i in range(int(math.log2(_MAX_SPLITS)) + 1)]
         for meta in metas:
             query = key_cache.new_zeros((meta.num_tokens, self.num_heads, self.head_dim))
-            key_lens = [None] if meta.num_prefills else [
-                _decode_split_keys(self._sm_count, self._sm_count, key_cache.shape[1]), DECODE_SPLIT_KEYS_SPARSE]
+            key_lens = [None] if meta.num_prefills else [_long_ranges(key_cache.shape[1]), DECODE_SPLIT_KEYS_SPARSE]
             for split_keys in key_lens:
                 for num_splits in splits:
                     paged_attention_triton(query, key_cache, value_cache, meta, self.scale, self._sm_count,
