@@ -136,11 +136,18 @@ def kernel_table(prof, window: tuple[int, int], batch: int, top: int = 12) -> di
 
 
 def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workloads: dict, args,
-                    decode_kernel: str | None = None) -> list[dict]:
-    """One engine, each workload warmed up then timed; the first workload also profiled in windows."""
+                    decode_kernel: str | None = None, fused_mlp: int | None = None) -> list[dict]:
+    """One engine, each workload warmed up then timed; the first workload also profiled in windows.
+    fused_mlp: the rows from which the MLP's gate/up runs fused with SiLU*mul (None: the model's default)."""
     from attention.triton_paged import TritonAttentionImpl
     from engine.llm import LLM
     from engine.malloc import freeze_startup_objects
+    from engine.mlp_kernel import FUSED_MIN_TOKENS
+    from engine.model import MLP
+
+    MLP.fused_min_tokens = FUSED_MIN_TOKENS if fused_mlp is None else fused_mlp
+    if args.fused_mlp_tile_json:
+        MLP.fused_tile = best_fused_tile(args.fused_mlp_tile_json)
 
     # Read at capture: graphs keep the split count and the kernel they were captured with.
     TritonAttentionImpl.decode_split_keys = split_keys
@@ -156,7 +163,7 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
         timed = run_timed(engine, workload)
         kernels = run_profiled(engine, workload, windows) if windows and i == 0 else []
         results.append({"backend": engine.backend_name, "triton_decode_split_keys": split_keys,
-                        "triton_decode_kernel": decode_kernel, "block_size": engine.block_size, "preset": name,
+                        "triton_decode_kernel": decode_kernel, "fused_mlp_min_tokens": fused_mlp, "block_size": engine.block_size, "preset": name,
                         "output_tokens": workload.output_tokens,
                         "out_tok_per_s": workload.output_tokens / timed["wall_s"], **timed, "kernels": kernels})
         print_result(results[-1])
@@ -165,11 +172,22 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
     return results
 
 
+def best_fused_tile(path: Path):
+    """The fastest checked tile of benchmarks/gate_up_silu.py's JSON at its largest row count of W-L's model."""
+    from engine.mlp_kernel import Tile
+
+    rows = [r for r in json.loads(path.read_text())["results"] if r.get("tile") and r["ms"] and r["hidden"] == 896]
+    best = min((r for r in rows if r["tokens"] == max(r["tokens"] for r in rows)), key=lambda r: r["ms"])
+    return Tile(**best["tile"])
+
+
 def label(r: dict) -> str:
     keys = r["triton_decode_split_keys"]
     split = "" if not keys else " (decode: no split)" if keys >= 1 << 20 else f" (decode ranges of {keys})"
     kernel = f" ({r['triton_decode_kernel']} decode)" if r.get("triton_decode_kernel") else ""
-    return f"{r['backend']}{split}{kernel}, {r['preset']}"
+    fused = r.get("fused_mlp_min_tokens")
+    mlp = "" if fused is None else " (MLP unfused)" if fused >= 1 << 40 else f" (MLP fused from {fused} rows)"
+    return f"{r['backend']}{split}{kernel}{mlp}, {r['preset']}"
 
 
 def group_order(group: str) -> tuple[int, int]:
@@ -266,6 +284,11 @@ def main() -> int:
                    help="comma-separated, of pointer and tma: triton's decode-only kernel, one engine each; "
                         "default: the kernel's choice")
     p.add_argument("--block-size", type=int, help="KV page size; default: the backend's")
+    p.add_argument("--fused-mlp-min-tokens", default="",
+                   help="comma-separated: the rows from which gate/up runs fused with SiLU*mul, one engine each, "
+                        "alternated with the split-KV ranges (a huge value: never); default: the model's")
+    p.add_argument("--fused-mlp-tile-json", type=Path, help="take the fused kernel's tile from this "
+                   "benchmarks/gate_up_silu.py output (its fastest at W-L's shape)")
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path, help="a PNG of the step groups per run, and beside it (NAME_kernels.png) "
                    "one of each profiled window's kernels by category")
@@ -282,15 +305,16 @@ def main() -> int:
         if args.num_requests:
             w.prompts, w.output_lens = w.prompts[:args.num_requests], w.output_lens[:args.num_requests]
     splits = [int(x) for x in args.triton_decode_split_keys.split(",") if x] or [None]
+    fused_options = [int(x) for x in args.fused_mlp_min_tokens.split(",") if x] or [None]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         config = args.model_config or PRESET_MODELS[args.preset.split(",")[0]]
         model_dir = build_random_model(parse_model_config(config), Path(tmp))
         for backend in args.attention_backend.split(","):
             kernels = [k for k in args.triton_decode_kernel.split(",") if k] or [None]
-            for split_keys, kernel in itertools.product(*((splits, kernels) if "triton" in backend
-                                                          else ([None], [None]))):
-                results += profile_backend(model_dir, backend, split_keys, workloads, args, kernel)
+            triton_axes = (splits, kernels) if "triton" in backend else ([None], [None])
+            for split_keys, kernel, fused in itertools.product(*triton_axes, fused_options):
+                results += profile_backend(model_dir, backend, split_keys, workloads, args, kernel, fused)
                 if args.out:  # after each engine: a run cut short still leaves what it measured
                     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
                     args.out.write_text(json.dumps({"device": device, "results": results}, indent=2))

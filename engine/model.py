@@ -20,6 +20,7 @@ from torch import nn
 
 from attention.base import AttentionBackend, AttentionMetadata
 from engine.kernels import add_rms_norm, pack_weight_for_cpu, packed_linear, packed_rows, rope_, silu_and_mul
+from engine.mlp_kernel import DEFAULT_TILE, FUSED_MIN_TOKENS, fused_pays, gate_up_silu_fused
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -214,6 +215,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # Steps of fused_min_tokens rows or more run gate/up and SiLU*mul as one kernel (engine/mlp_kernel.py says
+    # when that pays); class-wide, read at each forward (benchmarks/profile_workload.py sets them for an A/B).
+    fused_min_tokens = FUSED_MIN_TOKENS
+    fused_tile = DEFAULT_TILE
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         inter = args.intermediate_size
@@ -221,7 +227,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
+        proj = self.gate_up_proj
+        if proj.packed is None and fused_pays(x, self.fused_min_tokens):
+            return self.down_proj(gate_up_silu_fused(x, proj.weight, proj.bias, self.fused_tile))
+        return self.down_proj(silu_and_mul(proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
