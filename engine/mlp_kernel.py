@@ -93,11 +93,11 @@ if triton is not None:
         u_ptrs = g_ptrs + N * K  # up's rows follow gate's
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BK)):
+        for k0 in range(0, K, BK):
             if EVEN_K:
                 a, g, u = tl.load(a_ptrs), tl.load(g_ptrs), tl.load(u_ptrs)
             else:
-                left = K - k * BK
+                left = K - k0
                 a = tl.load(a_ptrs, mask=rk[None, :] < left, other=0.0)
                 g = tl.load(g_ptrs, mask=rk[:, None] < left, other=0.0)
                 u = tl.load(u_ptrs, mask=rk[:, None] < left, other=0.0)

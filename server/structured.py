@@ -25,7 +25,9 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
 
 
 def _schema_text(schema, param: str) -> str:
-    """A schema (object, or its JSON text) -> canonical JSON text (sorted keys: one cache entry per schema)."""
+    """A schema (object, or its JSON text) -> its JSON text, keys in the order given: the grammar engines emit an
+    object's properties in the schema's order, as OpenAI's structured outputs do (a `reasoning` key before an
+    `answer`). Sorted keys, as before, made W-B's record schema come out alphabetically (`{"id":..,"owner":..`)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -33,7 +35,7 @@ def _schema_text(schema, param: str) -> str:
             raise _bad(param, "must be a JSON schema (an object, or its JSON text)", "invalid_grammar") from None
     if not isinstance(schema, (dict, bool)):
         raise _bad(param, "must be a JSON schema (an object)", "invalid_grammar")
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)
 
 
 def closed_objects(schema):

@@ -48,8 +48,8 @@ def tool_parser(req, parser_name: str | None, chat_template: str | None):
 
 
 def _arguments_grammar(tool) -> StructuredOutput:
-    """The JSON-schema constraint of a tool's arguments (its parameters, or none's)."""
-    return StructuredOutput(json=json.dumps(_params_schema(tool), sort_keys=True))
+    """The JSON-schema constraint of a tool's arguments (its parameters, or none's), keys in the tool's order."""
+    return StructuredOutput(json=json.dumps(_params_schema(tool)))
 
 
 def parameter_schemas(req) -> list[StructuredOutput]:
@@ -69,7 +69,7 @@ def forced_call_grammar(req, parser) -> StructuredOutput | None:
     array = {"type": "array", "items": item, "minItems": 1}
     if req.parallel_tool_calls is False:
         array["maxItems"] = 1
-    return StructuredOutput(json=json.dumps(array, sort_keys=True))
+    return StructuredOutput(json=json.dumps(array))
 
 
 # ---- replies --------------------------------------------------------------------------------------------

@@ -284,3 +284,22 @@ def test_closed_objects_closes_every_object_and_keeps_what_the_schema_says():
     assert props["const"]["const"] == {"type": "object"}  # data, not a schema
     assert closed["$defs"]["open"]["additionalProperties"] is True
     assert "additionalProperties" not in schema  # the caller's schema is left as it was
+
+
+ORDERED = {"type": "object", "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+                                            "alpha": {"type": "boolean"}, "mid": {"enum": ["x", "y"]}},
+           "required": ["zeta", "alpha", "mid"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("form", ["response_format", "structured_outputs", "guided_json"])
+def test_properties_come_in_the_schemas_order(server, form):
+    """OpenAI's structured outputs write an object's keys in the schema's order (a `reasoning` key before an
+    `answer` is why users order them). A schema whose keys are not alphabetical keeps its order, in every form
+    of the request (the server once sorted a schema's keys, and the grammar followed them)."""
+    extra = {"response_format": {"response_format": {"type": "json_schema",
+                                                     "json_schema": {"name": "o", "schema": ORDERED}}},
+             "structured_outputs": {"structured_outputs": {"json": ORDERED}},
+             "guided_json": {"guided_json": json.dumps(ORDERED)}}[form]
+    for text in texts(post(server, "/v1/completions", {"prompt": "A record:", "n": 2, "temperature": 1.0,
+                                                       "seed": 5, **extra})):
+        assert list(json.loads(text)) == ["zeta", "alpha", "mid"], text

@@ -268,6 +268,19 @@ def test_required_and_named_tool_choice_from_a_random_model(server, stream):
             assert [c["function"]["name"] for c in calls] == ["get_time"]
 
 
+def test_forced_arguments_keep_the_tools_key_order(server):
+    """A named tool_choice's arguments come in the order of the tool's properties (`days` before `city` here),
+    not sorted: the grammar follows the schema as the client wrote it."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                         "city": {"type": "string", "maxLength": 6}},
+        "required": ["days", "city"], "additionalProperties": False}}}
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    calls, finish = _calls(chat(server, messages=CONVERSATION[:1], tools=[tool], tool_choice=forced,
+                                temperature=0.0, max_tokens=60))
+    assert finish == "tool_calls" and list(json.loads(calls[0]["function"]["arguments"])) == ["days", "city"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_call_cut_by_a_stop_string_does_not_finish_as_tool_calls(server, stream):
     """Found by the soak's probes: a named tool_choice whose arguments a stop string cut (`{`) came back with
