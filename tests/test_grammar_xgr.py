@@ -376,7 +376,7 @@ OWNER = {"type": "object", "properties": {"email": {"type": "string"}, "name": {
          "required": ["email", "name"]}
 
 
-@pytest.mark.parametrize("head", ['{"email":"a@b.cd","name":":{",', '{"email":"a', '{"k":"v",', '{"k":"v'])
+@pytest.mark.parametrize("head", ['{"email":"a@b.cd","name":":{",', '{"k":"v'])
 def test_every_token_a_mask_allows_after_a_string_is_taken(bpe_152k, head):
     """xgrammar 0.2.9's lookahead after a JSON string lets whitespace follow the closing quote, even in compact
     JSON where none may: its mask allowed `","` + newline after an extra key's opening quote (and `"` + newline
