@@ -12,6 +12,10 @@ accumulation order differs from cuBLAS's, so a bf16 output may differ from the r
 
 Used only where benchmarks/gate_up_silu.py measured it faster than cuBLAS + silu_and_mul (FUSED_MIN_TOKENS
 and the tile below); on the CPU, in CUDA graphs' small decode batches, and without triton the reference runs.
+Measured on an H100 (twenty-third session, docs/benchmarks.md): nowhere yet. At 16,384 x 896 x 4864 its best
+tile took 0.642 ms against 0.576 (this GEMM at 445 TFLOP/s, cuBLAS's at ~500), and W-L's prefill steps 1.31 s
+against 1.28 s; so FUSED_MIN_TOKENS is out of reach until a faster GEMM body (TMA loads, persistent programs)
+beats cuBLAS's.
 tests/test_mlp_kernel.py checks the kernel against the reference through Triton's interpreter; the GPU check
 is in the benchmark, before it times anything.
 """
@@ -30,7 +34,7 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-FUSED_MIN_TOKENS = 1 << 62  # off until an H200 measurement sets it (benchmarks/gate_up_silu.py)
+FUSED_MIN_TOKENS = 1 << 62  # never: slower than cuBLAS + silu_and_mul at every size measured (see above)
 
 
 @dataclass(frozen=True)
