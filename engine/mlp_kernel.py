@@ -14,11 +14,11 @@ Used only where benchmarks/gate_up_silu.py measured it faster than cuBLAS + silu
 and the tile below); on the CPU, in CUDA graphs' small decode batches, and without triton the reference runs.
 Measured on an H100 (twenty-third session, docs/benchmarks.md): nowhere yet. At 16,384 x 896 x 4864 its best
 tile took 0.642 ms against 0.576 (this GEMM at 445 TFLOP/s, cuBLAS's at ~500), and W-L's prefill steps 1.31 s
-against 1.28 s. At 256 rows it took 0.046 ms against 0.081, but that timing is two launches against
-one, not the GPU's work (decode batches run in CUDA graphs, where launches cost little); so FUSED_MIN_TOKENS is out of reach until a faster GEMM body (TMA loads, persistent programs)
-beats cuBLAS's.
-tests/test_mlp_kernel.py checks the kernel against the reference through Triton's interpreter; the GPU check
-is in the benchmark, before it times anything.
+against 1.28 s. At 256 rows it took 0.046 ms against 0.081, but that timing is two launches against one,
+not the GPU's work (decode batches run in CUDA graphs, where launches cost little). So FUSED_MIN_TOKENS is out
+of reach until a faster GEMM body (TMA loads, persistent programs) beats cuBLAS's.
+tests/test_mlp_kernel.py checks the kernel against the reference through Triton's interpreter and on CUDA (bf16);
+the benchmark checks every tile again before it times it.
 """
 from __future__ import annotations
 
