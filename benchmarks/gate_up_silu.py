@@ -83,7 +83,8 @@ def main() -> None:
     p.add_argument("--out", default="gate_up_silu.json")
     args = p.parse_args()
     rows, wins = [], []
-    print("| rows x hidden x inter | way | ms | TFLOP/s | checked (err / cuBLAS's, max ulps) |\n|---|---|---:|---:|---|")
+    print("| rows x hidden x inter | way | ms | TFLOP/s | checked (err / cuBLAS's, max ulps) |")
+    print("|---|---|---:|---:|---|")
     for shape in SHAPES:
         shape_rows = _shape_rows(*shape, args.iters)
         for r in shape_rows:

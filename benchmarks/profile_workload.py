@@ -163,7 +163,8 @@ def profile_backend(model_dir: Path, backend: str, split_keys: int | None, workl
         timed = run_timed(engine, workload)
         kernels = run_profiled(engine, workload, windows) if windows and i == 0 else []
         results.append({"backend": engine.backend_name, "triton_decode_split_keys": split_keys,
-                        "triton_decode_kernel": decode_kernel, "fused_mlp_min_tokens": fused_mlp, "block_size": engine.block_size, "preset": name,
+                        "triton_decode_kernel": decode_kernel, "fused_mlp_min_tokens": fused_mlp,
+                        "block_size": engine.block_size, "preset": name,
                         "output_tokens": workload.output_tokens,
                         "out_tok_per_s": workload.output_tokens / timed["wall_s"], **timed, "kernels": kernels})
         print_result(results[-1])
