@@ -59,8 +59,9 @@ def gate_up_silu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def fused_pays(x: torch.Tensor, min_tokens: int = FUSED_MIN_TOKENS) -> bool:
-    """Whether the fused kernel runs these rows: CUDA with triton, min_tokens rows or more."""
-    return triton is not None and x.is_cuda and x.shape[0] >= min_tokens
+    """Whether the fused kernel runs these rows: min_tokens rows or more (asked first: every layer of every eager
+    step asks, and the kernel is off), on CUDA with triton."""
+    return x.shape[0] >= min_tokens and triton is not None and x.is_cuda
 
 
 def gate_up_silu_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -228,8 +228,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
-        # The row count first: every layer asks, every eager step (the fused kernel is off: docs/benchmarks.md).
-        if x.shape[0] >= self.fused_min_tokens and proj.packed is None and fused_pays(x, self.fused_min_tokens):
+        if fused_pays(x, self.fused_min_tokens) and proj.packed is None:
             return self.down_proj(gate_up_silu_fused(x, proj.weight, proj.bias, self.fused_tile))
         return self.down_proj(silu_and_mul(proj(x)))  # [T, 2 * inter] -> [T, inter] -> [T, hidden]
 
