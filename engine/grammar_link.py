@@ -192,25 +192,40 @@ class GrammarLink:
 
     # ---- compiling -------------------------------------------------------------------------------
     def compile(self, so: StructuredOutput) -> Future:
-        """A future of the constraint, resolved once every worker has compiled it."""
+        """A future of the constraint (a CompiledConstraint), resolved once every worker has compiled it. The
+        first shard compiles it first and its choice of engine goes to the others: a worker falls back to
+        llguidance where xgrammar fails or takes over its timeout, which one process could meet and another
+        not, and a grammar's engine would then depend on its shard (its masks' speed, forced tokens' spelling).
+        With several shards this costs the first request of a constraint one compile more (xgrammar: 1-10 ms)."""
         self._check_workers()
         key = so.key()
         future = self._cache.get(key)
         if future is None:
             future, n = Future(), next(self._keys)
-            pieces = [Future() for _ in self.shards]
-            _all_of(pieces, future)
-            data = self._encoder.encode(Compile(n, so))
-            for shard, piece in zip(self.shards, pieces):
-                shard.worker.compiles[n] = (piece, so)
-                shard.worker.compile(data)
+            first = self._send_compile(self.shards[0], n, so, "")
+            first.add_done_callback(lambda done: self._compile_rest(done, n, so, future))
             self._cache.put(key, future)
         return future
+
+    def _send_compile(self, shard: Shard, n: int, so: StructuredOutput, engine: str) -> Future:
+        piece = Future()
+        shard.worker.compiles[n] = (piece, so)
+        shard.worker.compile(self._encoder.encode(Compile(n, so, engine)))
+        return piece
+
+    def _compile_rest(self, first: Future, n: int, so: StructuredOutput, future: Future) -> None:
+        """The first shard's compile is done (in its reply thread): the other shards compile with its engine."""
+        if first.exception() is not None:
+            future.set_exception(first.exception())
+            return
+        engine = first.result().engine
+        _all_of([first] + [self._send_compile(shard, n, so, engine) for shard in self.shards[1:]], future)
 
     def new_grammar(self, compiled: Future) -> RemoteGrammar:
         gid = next(self._gids)
         shard = self.shards[gid % len(self.shards)]
-        shard.new.append(NewMatcher(gid, compiled.result()))
+        chosen = compiled.result()
+        shard.new.append(NewMatcher(gid, chosen.constraint, chosen.engine))
         return RemoteGrammar(gid, shard)
 
     # ---- masks -----------------------------------------------------------------------------------

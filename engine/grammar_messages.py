@@ -17,6 +17,9 @@ from engine.request import StructuredOutput
 # The grammar processes' time per constrained step, by part (the slowest shard's, summed over steps:
 # GrammarLink.worker_s, kvserve_grammar_worker_seconds): consuming the tokens, filling the masks, the Step's way
 # to the process, and how long the engine read the answer after it was sent, counted while the engine waited.
+# The mask engines a worker compiles with (engine/grammar_xgr.py says which takes what).
+ENGINES = ("xgrammar", "llguidance")
+
 WORKER_TIMES = ("accept", "fill", "Step reaches it", "answer read after it was sent while waiting")
 
 
@@ -27,6 +30,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 class Compile(msgspec.Struct, tag=True, array_like=True):
     key: int  # the engine's number for this constraint
     constraint: StructuredOutput
+    engine: str = ""  # ENGINES: the one the first shard chose, so every shard masks with it; "": the worker's
 
 
 class Compiled(msgspec.Struct, tag=True, array_like=True):
@@ -34,11 +38,13 @@ class Compiled(msgspec.Struct, tag=True, array_like=True):
     error: str | None = None  # engine.request.RequestError's message, when it failed
     code: str | None = None
     param: str | None = None
+    engine: str = ""  # ENGINES: which one compiled it
 
 
 class NewMatcher(msgspec.Struct, array_like=True, gc=False):
     gid: int  # the engine's number for one completion's grammar, never reused
     constraint: StructuredOutput  # compiled already (a Compile came first): the worker's cache has it
+    engine: str = ""  # the constraint's Compile.engine: a restarted worker compiles it with the same engine
 
 
 class Step(msgspec.Struct, tag=True, array_like=True, gc=False):

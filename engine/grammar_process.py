@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -32,6 +33,13 @@ SEND_TIMEOUT_MS = 3000  # a send waits this long for its peer (a connection stil
 READY_TIMEOUT_S = 120.0  # a worker that has not started by then (importing torch, the tokenizer) is given up
 LOST = "the grammar process exited; the request's grammar state is lost"
 WORKER_COMMAND = (sys.executable, "-m", "engine.grammar_worker")  # then: SPEC_FILE STEP_FD COMPILE REPLY MASK_FD
+
+
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """What a compile's future holds: the constraint, and the engine (grammar_messages.ENGINES) that compiled it."""
+    constraint: StructuredOutput
+    engine: str
 
 
 class GrammarProcessError(RuntimeError):
@@ -167,7 +175,7 @@ class GrammarProcess:
             self.ready.set()
 
     def _resolve_compiles(self, reply: zmq.Socket) -> None:
-        """Each Compiled resolves its future (with the constraint, which new_grammar sends on). Once the worker
+        """Each Compiled resolves its future (a CompiledConstraint, which new_grammar sends on). Once the worker
         is gone every compile waiting, or registered later, fails, until stop()."""
         decoder = msgspec.msgpack.Decoder(Compiled)
         while not self.stopped:
@@ -194,7 +202,7 @@ def _resolve(msg: Compiled, compiles: dict[int, tuple[Future, StructuredOutput]]
     if future is None:
         return
     if msg.error is None:
-        future.set_result(constraint)
+        future.set_result(CompiledConstraint(constraint, msg.engine))
     elif msg.code is not None:
         future.set_exception(RequestError(msg.error, msg.code, msg.param))
     else:

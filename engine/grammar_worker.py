@@ -86,9 +86,12 @@ class Worker:
         self.broken: dict[int, str] = {}
         self._compile_lock = threading.Lock()  # the LRU of compiled grammars is shared by both threads
 
-    def compile(self, constraint):
+    def compile(self, constraint, engine: str = ""):
         with self._compile_lock:
-            return self.structured.compile(constraint)
+            return self.structured.compile(constraint, engine)
+
+    def engine_of(self, pristine) -> str:
+        return self.structured.engine_of(pristine)
 
     def step(self, msg: Step) -> Filled:
         """The Step applied, then its flag raised (the rows are written); an exception fails the step's grammars
@@ -122,7 +125,7 @@ class Worker:
 
     def _new(self, new: NewMatcher) -> None:
         try:
-            self.matchers[new.gid] = self.structured.new_grammar(self.compile(new.constraint))
+            self.matchers[new.gid] = self.structured.new_grammar(self.compile(new.constraint, new.engine))
         except Exception as exc:  # noqa: BLE001 - the request fails; the worker goes on
             self.broken[new.gid] = getattr(exc, "message", None) or f"grammar: {type(exc).__name__}"
 
@@ -161,7 +164,7 @@ def answer_compiles(worker: Worker, pull: zmq.Socket, push: zmq.Socket) -> None:
 
     def answer(msg: Compile, compiled: Future) -> None:
         with lock:
-            push.send(encoder.encode(_compiled(msg, compiled)))
+            push.send(encoder.encode(_compiled(worker, msg, compiled)))
 
     with pull, push:
         while True:
@@ -173,21 +176,21 @@ def _compiling(worker: Worker, msg: Compile) -> Future:
     """The compile's future; one that could not even start is a failed future (answered, not fatal to the
     thread that answers every compile)."""
     try:
-        return worker.compile(msg.constraint)
+        return worker.compile(msg.constraint, msg.engine)
     except Exception as exc:  # noqa: BLE001 - answered as the compile's failure
         failed = Future()
         failed.set_exception(exc)
         return failed
 
 
-def _compiled(msg: Compile, compiled: Future) -> Compiled:
+def _compiled(worker: Worker, msg: Compile, compiled: Future) -> Compiled:
     try:
-        compiled.result()
+        engine = worker.engine_of(compiled.result())
     except RequestError as exc:
         return Compiled(msg.key, exc.message, exc.code, exc.param)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails the requests
         return Compiled(msg.key, f"grammar: {type(exc).__name__}: {exc}"[:300])
-    return Compiled(msg.key)
+    return Compiled(msg.key, engine=engine)
 
 
 def serve_steps(worker: Worker, conn: Connection, parent: int) -> None:

@@ -6,8 +6,8 @@ A step with constrained rows is launched (forward and logits queued on the devic
 tokens are read; the engine then reads them, the matchers consume them, and only then are the step's masks
 filled (xgrammar's batch fill for JSON schemas and regexes, llguidance's parallel executor for the rest:
 engine/grammar_xgr.py says why) and its rows sampled: the fill overlaps the forward pass on the device,
-and the async-scheduling pipeline keeps running. A mask allows EOS only where the grammar may end. A matcher consumes each token the
-engine appends, so preemption (recompute) and prefix-cache hits leave it where it was.
+and the async-scheduling pipeline keeps running. A mask allows EOS only where the grammar may end. A matcher
+consumes each token the engine appends, so preemption (recompute) and prefix-cache hits leave it where it was.
 
 This is the in-process form (the default without CUDA); with CUDA the engine keeps all of it in a grammar
 process of its own (engine/grammar_link.py, whose worker runs an instance of this class).
@@ -78,17 +78,20 @@ class StructuredOutputs:
         self.fill_threads: int | None = None  # xgrammar's batch fill threads (None: half the host's)
 
     # ---- compiling (engine thread submits, one helper thread compiles) ---------------------------------
-    def compile(self, so: StructuredOutput) -> Future:
-        """A future of the constraint's compiled matcher (shared: take copies with new_grammar)."""
+    def compile(self, so: StructuredOutput, engine: str = "") -> Future:
+        """A future of the constraint's compiled matcher (shared: take copies with new_grammar). engine
+        "llguidance": compiled by llguidance whatever xgrammar would take (a grammar process told which engine its
+        link's first shard chose, engine/grammar_link.py); else xgrammar where it takes the constraint. The
+        first compile of a constraint decides: the cache keeps it."""
         key = so.key()
         future = self._cache.get(key)
         if future is None:
-            future = self._compiles.submit(self._compile, so)
+            future = self._compiles.submit(self._compile, so, engine != "llguidance")
             self._cache.put(key, future)
         return future
 
-    def _compile(self, so: StructuredOutput):
-        if self.use_xgrammar:
+    def _compile(self, so: StructuredOutput, xgrammar_first: bool = True):
+        if self.use_xgrammar and xgrammar_first:
             with self._setup_lock:
                 if self._xgr is None:
                     self._xgr = XgrCompiler(self.hf_tokenizer, self.vocab_size, self.eos_ids, self.fill_threads,
@@ -109,6 +112,11 @@ class StructuredOutputs:
         if matcher.is_error():
             raise RequestError(f"{so.param()}: {matcher.get_error()[:500]}", "invalid_grammar", so.param())
         return matcher
+
+    @staticmethod
+    def engine_of(pristine) -> str:
+        """Which engine compiled what a compile's future holds (grammar_messages.ENGINES)."""
+        return "xgrammar" if isinstance(pristine, XgrCompiled) else "llguidance"
 
     def new_grammar(self, compiled: Future) -> Grammar | XgrGrammar:
         """A matcher of its own; made only while no fill runs (the mask thread reads the matchers, and a fill

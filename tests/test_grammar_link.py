@@ -19,6 +19,7 @@ import torch
 from engine import grammar_link, mask_gate
 from engine.grammar_link import GrammarLink, mask_dir
 from engine.grammar_messages import WORKER_TIMES
+from engine.grammar_xgr import available as xgrammar_available
 from engine.llm import LLM
 from engine.request import SamplingParams, StructuredOutput
 from engine.structured import StructuredOutputs
@@ -124,13 +125,19 @@ def test_same_tokens_as_in_process_mixed_batch(remote, local, async_scheduling):
     assert_no_matcher_left(remote)
 
 
-def test_two_grammar_processes_share_the_rows(tiny_model_dir, local):
-    """Two grammar processes, each consuming and filling the rows of its own grammars in one shared bitmask:
-    every output equals the in-process run (pipelined), both held matchers, and none is left after."""
+@pytest.fixture(scope="module")
+def two_shards(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), num_kv_blocks=256, structured_outputs_process=True,
               structured_outputs_processes=2, async_scheduling=True)
+    yield llm
+    llm.engine.structured.shutdown()
+
+
+def test_two_grammar_processes_share_the_rows(two_shards, local):
+    """Two grammar processes, each consuming and filling the rows of its own grammars in one shared bitmask:
+    every output equals the in-process run (pipelined), both held matchers, and none is left after."""
+    llm, held = two_shards, []
     link = llm.engine.structured
-    held = []
     real = link._collect
     link._collect = lambda pending: held.append([shard.live for shard in link.shards]) or real(pending)
     prompts = PROMPTS * 2
@@ -141,7 +148,42 @@ def test_two_grammar_processes_share_the_rows(tiny_model_dir, local):
         assert any(all(live) for live in held), held  # both processes held matchers at once
         assert_no_matcher_left(llm)
     finally:
-        link.shutdown()
+        link._collect = real
+
+
+def test_every_shard_compiles_a_constraint_with_the_first_shards_engine(two_shards):
+    """A worker falls back to llguidance where xgrammar fails or outlasts its timeout, which one process can meet
+    and another not. The first shard compiles first and its engine goes to the other shards and to the matchers
+    (a restarted worker compiles with it too). Here the first shard is told llguidance, as if its xgrammar had
+    timed out: the second compiles a schema xgrammar takes with llguidance too, and the outputs are the
+    schema's."""
+    llm = two_shards
+    link, sent = llm.engine.structured, []
+    real = link._send_compile
+
+    def send(shard, n, so, engine):
+        piece = real(shard, n, so, "llguidance" if shard.index == 0 else engine)
+        sent.append((shard.index, piece))
+        return piece
+
+    forced = StructuredOutput(json=json.dumps({**SCHEMA, "title": "forced"}))  # a constraint new to both
+    link._send_compile = send
+    try:
+        chosen = link.compile(forced).result(timeout=60)
+    finally:
+        link._send_compile = real
+    assert chosen.engine == "llguidance"
+    assert [(index, piece.result().engine) for index, piece in sent] == [(0, "llguidance"), (1, "llguidance")]
+    grammar = link.new_grammar(link.compile(forced))
+    assert grammar.shard.new[-1].engine == "llguidance"
+    del grammar
+    tok = llm.get_tokenizer()
+    for ids in run(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=60, structured=forced)):
+        validate(tok.decode(ids, skip_special_tokens=True))
+    if link.args[-1] != "llguidance" and xgrammar_available():  # unforced, a schema is xgrammar's on every shard
+        free = link.compile(StructuredOutput(json=json.dumps({**SCHEMA, "title": "free"}))).result(timeout=60)
+        assert free.engine == "xgrammar"
+    assert_no_matcher_left(llm)
 
 
 def test_the_next_steps_masks_are_asked_for_before_the_scheduler_reads_the_tokens(tiny_model_dir, local):
@@ -560,7 +602,7 @@ def test_masks_go_to_dev_shm_only_when_it_has_room(tmp_path):
 
 class FakeCompiles:
     """A grammar process's compile side without the process: answer_compiles in a thread, its ZeroMQ sockets
-    inproc; `worker.compile(constraint)` is what the test gives."""
+    inproc; `worker.compile(constraint)` is what the test gives (engines are not its concern)."""
 
     def __init__(self, compile_fn) -> None:
         import zmq
@@ -575,7 +617,7 @@ class FakeCompiles:
             b.bind(f"inproc://kvserve-test-{name}-{tag}")
             a.connect(f"inproc://kvserve-test-{name}-{tag}")
         self.from_worker.setsockopt(zmq.RCVTIMEO, 5000)
-        worker = SimpleNamespace(compile=compile_fn)
+        worker = SimpleNamespace(compile=lambda so, engine: compile_fn(so), engine_of=lambda pristine: "llguidance")
         threading.Thread(target=answer_compiles, args=(worker, pull, push), daemon=True).start()
 
     def send(self, key: int, so: StructuredOutput) -> None:
