@@ -81,10 +81,12 @@ def gate_up_silu_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 if triton is not None:
 
     @triton.jit
-    def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
+    def _gate_up_silu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                              EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              GROUP_M: tl.constexpr):
         # Programs in groups of GROUP_M row tiles sweep the columns together, so a weight tile is read from L2.
+        # K (the hidden size, one per model) is a constant: triton 3.6's interpreter cannot loop to a scalar
+        # argument (`range(0, K, BK)` and `range(tl.cdiv(K, BK))` both failed there).
         pid = tl.program_id(0)
         num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
         first_m = pid // (GROUP_M * num_n) * GROUP_M
