@@ -155,15 +155,15 @@ def main() -> None:
     if args.smoke:
         args.model_config, args.device, args.num_prompts = json.dumps({**SMOKE_CONFIG, "vocab_size": 2048}), "cpu", 16
         args.input_len, args.output_len, args.prompt_vocab, args.client_workers, args.repeat = 16, 12, 2048, 1, 1
-        args.max_num_batched_tokens = 512  # the CPU warm-up builds a oneDNN primitive per row count: 16384 took ~15 s
+        args.max_num_batched_tokens = 512  # the CPU warm-up builds a oneDNN primitive per row count: 16384 took 15 s
     from engine.config import EngineConfig
     from server.settings import ServerSettings
 
     with tempfile.TemporaryDirectory(prefix="kvserve-server-step-") as tmp:
         model = build_random_model(parse_model_config(args.model_config), Path(tmp) / "model", tokenizer="bpe")
         config = EngineConfig(model=str(model), device=args.device, max_model_len=2048,
-                              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256, enable_prefix_caching=False,
-                              **json.loads(args.engine_args))
+                              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+                              enable_prefix_caching=False, **json.loads(args.engine_args))
         totals, raw = Path(tmp) / "totals.json", Path(tmp) / "raw"
         raw.mkdir()
         settings = ServerSettings(port=server_procs.free_port(), log_level="warning")

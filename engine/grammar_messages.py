@@ -14,12 +14,12 @@ import msgspec
 
 from engine.request import StructuredOutput
 
-# The grammar processes' time per constrained step, by part (the slowest shard's, summed over steps:
-# GrammarLink.worker_s, kvserve_grammar_worker_seconds): consuming the tokens, filling the masks, the Step's way
-# to the process, and how long the engine read the answer after it was sent, counted while the engine waited.
 # The mask engines a worker compiles with (engine/grammar_xgr.py says which takes what).
 ENGINES = ("xgrammar", "llguidance")
 
+# The grammar processes' time per constrained step, by part (the slowest shard's, summed over steps:
+# GrammarLink.worker_s, kvserve_grammar_worker_seconds): consuming the tokens, filling the masks, the Step's way
+# to the process, and how long the engine read the answer after it was sent, counted while the engine waited.
 WORKER_TIMES = ("accept", "fill", "Step reaches it", "answer read after it was sent while waiting")
 
 
