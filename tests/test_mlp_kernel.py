@@ -23,10 +23,12 @@ for seed, (tokens, hidden, inter, bias, dtype) in enumerate(cases):
     out = gate_up_silu_fused(x, w, b, Tile(bm=16, bn=16, bk=16, group_m=2))
     if dtype == torch.float32:  # no rounding between the steps: equal up to the sums' order
         ok = out.shape == (tokens, inter) and torch.allclose(out, gate_up_silu_ref(x, w, b), rtol=1e-5, atol=1e-5)
-    else:  # each step rounded as the reference rounds it: at most an ulp apart, nearly all equal
-        ref = gate_up_silu_ref(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    else:  # each step rounded as the reference rounds it: at most two ulps apart, nearly all equal. Two: the
+        # host's float16 GEMM sums in its own order (it differs between CPUs), so a gate may land an ulp away,
+        # and silu's slope (up to 1.1) and the product carry that a little past one ulp of the output
+        # (1.03 ulps for one of 792 values on an AMD EPYC host, 2026-12-07)
         mine = gate_up_silu_ref(x, w, b)
-        ulp = (mine.float().abs() * 2 ** -10).clamp_min(2 ** -24)
+        ulp = 2 * (mine.float().abs() * 2 ** -10).clamp_min(2 ** -24)
         ok = bool(((out.float() - mine.float()).abs() <= ulp).all()) and (out == mine).float().mean() > 0.97
     if not ok:
         bad.append((tokens, hidden, inter, bias, str(dtype)))
