@@ -19,6 +19,10 @@ The heap is frozen and young collections thinned after the warm-up, as in the se
 (engine/malloc.py). --sections adds one more run with timers around the host sections (the timers cost a
 little; they nest: prepare holds prepare_inputs and stage, enqueue holds compute_logits and sample). Prints a
 table, writes JSON.
+--constrained N puts every request under a regex (JSON_LIKE) whose matchers live in N grammar processes, as on
+a GPU host: the engine thread's extra work for a constrained step (recording tokens, the Step's send and
+answer; on the CPU also the masks' apply, which a GPU does in a kernel). Compare its process CPU per step with
+a run without it.
 """
 from __future__ import annotations
 
@@ -39,20 +43,28 @@ import torch  # noqa: E402
 import engine.runner as runner_mod  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.malloc import collect_young_less_often, freeze_startup_objects  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.request import SamplingParams, StructuredOutput  # noqa: E402
 from bench.models import build_random_model  # noqa: E402
 
 TINY_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32,
               "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
               "vocab_size": 512, "max_position_embeddings": 4096, "tie_word_embeddings": True}
+# --constrained: a regex no request can finish within its tokens, so every row stays under its mask.
+JSON_LIKE = r'\{("[a-z]{1,8}": [0-9]{1,6}, ){1000}'
 
 
-def build_llm(batch: int, max_model_len: int) -> LLM:
-    """A tiny random model whose decode steps go through CUDA-graph staging with a null forward."""
-    path = build_random_model(TINY_QWEN2, Path(tempfile.mkdtemp()))
-    llm = LLM(str(path), device="cpu", attention_backend="torch", skip_tokenizer_init=True, async_scheduling=True,
-              max_model_len=max_model_len, max_num_batched_tokens=16384, max_num_seqs=batch,
-              enable_prefix_caching=False, num_kv_blocks=max(batch * max_model_len // 16 + 64, 1024))
+def build_llm(batch: int, max_model_len: int, grammar_processes: int = 0) -> LLM:
+    """A tiny random model whose decode steps go through CUDA-graph staging with a null forward. With
+    grammar_processes, a byte-level BPE tokenizer (grammars need one) and the matchers in that many grammar
+    processes, as on a GPU host (the CPU's default keeps them in the engine's process)."""
+    tokenizer = "bpe" if grammar_processes else "id"
+    path = build_random_model(TINY_QWEN2, Path(tempfile.mkdtemp()), tokenizer=tokenizer)
+    grammars = dict(structured_outputs_process=True, structured_outputs_processes=grammar_processes,
+                    structured_outputs_spin_ms=0) if grammar_processes else {}
+    llm = LLM(str(path), device="cpu", attention_backend="torch", skip_tokenizer_init=not grammar_processes,
+              async_scheduling=True, max_model_len=max_model_len, max_num_batched_tokens=16384,
+              max_num_seqs=batch, enable_prefix_caching=False,
+              num_kv_blocks=max(batch * max_model_len // 16 + 64, 1024), **grammars)
     runner = llm.engine.runner
     runner.decode_graphs = runner.make_graphs(batch, max_model_len, None, capture=False)
     hidden = TINY_QWEN2["hidden_size"]
@@ -74,7 +86,7 @@ def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     the prompts are prefilled first, untimed, and every request asks for more tokens than the timed steps."""
     engine = llm.engine
     long = SamplingParams(temperature=params.temperature, max_tokens=num_steps + 16, ignore_eos=True,
-                          detokenize=False)
+                          detokenize=False, structured=params.structured)
     base = engine._steps
     for i, prompt in enumerate(prompts):
         engine.add_request(f"decode-only-{base}-{i}", prompt, long)
@@ -135,14 +147,18 @@ def main() -> int:
     p.add_argument("--sections", action="store_true", help="also time the host sections (one more run)")
     p.add_argument("--decode-only", action="store_true",
                    help="time only --max-tokens steps in which every request decodes (prefills untimed)")
+    p.add_argument("--constrained", type=int, default=0, metavar="PROCESSES",
+                   help="every request under a regex that never ends (JSON_LIKE), its matcher in one of this many "
+                        "grammar processes: the engine thread's share of a constrained step (process CPU)")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args()
     torch.set_num_threads(1)
-    llm = build_llm(args.batch, max_model_len=2048)
+    llm = build_llm(args.batch, max_model_len=2048, grammar_processes=args.constrained)
     rnd = random.Random(0)
     prompts = [[rnd.randint(0, 500) for _ in range(rnd.randint(*args.prompt_len))] for _ in range(args.batch)]
+    constraint = StructuredOutput(regex=JSON_LIKE) if args.constrained else None
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
-                            detokenize=False)
+                            detokenize=False, structured=constraint)
     run_once(llm, prompts, params)  # warm-up
     freeze_startup_objects()  # as the server's engine core does: unfrozen, 2 runs in 5 took a full collection
     collect_young_less_often()
@@ -153,7 +169,7 @@ def main() -> int:
         per_step.append(seconds * 1e3 / steps)
         cpu_per_step.append(cpu_seconds * 1e3 / steps)
     result = {"batch": args.batch, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "decode_only": args.decode_only,
+              "decode_only": args.decode_only, "constrained_processes": args.constrained,
               "steps_per_run": steps, "ms_per_step_runs": per_step, "ms_per_step": statistics.median(per_step),
               "ms_per_step_min": min(per_step), "cpu_ms_per_step": statistics.median(cpu_per_step)}
     print(f"batch {args.batch}, {steps} steps per run: host {result['ms_per_step']:.3f} ms/step, median of "
