@@ -171,7 +171,7 @@ def load_model(path, hf_config, dtype: torch.dtype, device: torch.device | str,
         model = CausalLM(hf_config, backend)
     materialize(model, dtype, device)
     load_weights(model, weight_files(Path(path)))
-    model.rotary_emb.reset_cache()  # a buffer, not in the checkpoint: to_empty() left it uninitialised
+    model.rotary_emb.reset_cache()  # a buffer, not in the checkpoint: materialize() left it uninitialised
     if pack_for_cpu and model.pack_for_cpu():
         logger.info("CPU matmuls through oneDNN-packed weights")
     logger.info("loaded %s (%s, %s) in %.2f s", Path(path).name, dtype, device, time.perf_counter() - start)
@@ -182,12 +182,19 @@ def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
     """model.to(dtype).to_empty(device), each meta tensor replaced by an empty one (floating ones in dtype):
     torch's own path takes empty_like's reference on meta tensors, which imports torch.fx's symbolic shapes
     (~0.25 s of every CPU server start, 2026-12-07)."""
+    made: dict[int, torch.Tensor] = {}  # a tensor held by two modules stays one
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, t in table.items():
                 if t is not None:
-                    empty = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
-                    table[name] = torch.nn.Parameter(empty, t.requires_grad) if table is module._parameters else empty
+                    if id(t) not in made:
+                        made[id(t)] = _empty_like(t, dtype, device)
+                    table[name] = made[id(t)]
+
+
+def _empty_like(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    empty = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+    return torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -247,3 +247,33 @@ def test_half_precision_load(tiny_model_dir, dtype):
     ours_err, hf_err = (logits - ref).abs(), (hf_half - ref).abs()
     assert 0 < ours_err.mean() <= 1.25 * hf_err.mean()
     assert ours_err.max() <= 2 * hf_err.max()
+
+
+# --------------------------------------------------------------------------- start-up cost
+
+def test_materialize_keeps_shared_tensors_shared_and_casts_only_floats():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    model.register_buffer("ids", torch.zeros(3, dtype=torch.long))
+    loader.materialize(model, torch.bfloat16, torch.device("cpu"))
+    assert model[0].weight is model[1].weight and isinstance(model[0].weight, torch.nn.Parameter)
+    assert model[0].weight.dtype == torch.bfloat16 and model[0].bias.device.type == "cpu"
+    assert model.ids.dtype == torch.long and not isinstance(model.ids, torch.nn.Parameter)
+
+
+def test_loading_a_model_imports_neither_dynamo_nor_fx_symbolic_shapes(tiny_model_dir):
+    """Initialising modules on the meta device and torch's to_empty() imported torch._dynamo and torch.fx's
+    symbolic shapes, ~1.2 s of every CPU engine start (docs/benchmarks.md, twenty-fifth session)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from engine.loader import load_hf_config, load_model; "
+            "from attention.torch_ref import TorchAttentionBackend; "
+            f"p = {str(tiny_model_dir('qwen2'))!r}; load_model(p, load_hf_config(p), torch.float32, 'cpu', "
+            "TorchAttentionBackend); "
+            "print(sorted(m for m in ('torch._dynamo', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
