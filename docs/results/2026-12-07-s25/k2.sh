@@ -4,7 +4,7 @@
 # (schedule, prepare, the forward's queueing) ran 1.3-2x slower whenever grammar work ran beside them (a grammar
 # process, or in-process fills), as on the H100 at json 100% (docs/benchmarks.md, twenty-fifth session): if
 # threads oversubscribe the host's cores at each step, fewer of them should close the gap.
-#   bash docs/results/2026-12-07-s25/k2.sh
+#   bash docs/results/2026-12-07-s25/k2.sh          (SPIN0=1 REPEAT=3 adds the engine blocking for its masks)
 set -u
 out="${OUT:-./gpu-out}"; mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -19,4 +19,5 @@ pair() {  # NAME KVSERVE_ARGS
 }
 pair default ""
 pair lean "--structured-outputs-processes 2 --structured-outputs-fill-threads 1"
+[ -n "${SPIN0:-}" ] && pair nospin "--structured-outputs-spin-ms 0"  # a third arm (REPEAT=3 to stay in 600 s)
 rm -rf "$out"/raw-*
