@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -72,18 +73,41 @@ def build_llm(batch: int, max_model_len: int, grammar_processes: int = 0) -> LLM
     return llm
 
 
-def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, int]:
-    """(wall seconds, process CPU seconds, engine steps) of one generate() of every prompt."""
-    steps = llm.engine._steps
+@dataclass
+class Timed:
+    """One timed run: wall and process CPU seconds, engine steps, and the engine's own section laps (seconds,
+    engine/step_clock.py) over those steps."""
+    seconds: float
+    cpu_seconds: float
+    steps: int
+    laps: dict[str, float]
+
+
+def timed(llm: LLM, run) -> Timed:
+    """run() timed, with the engine's section laps it added."""
+    engine = llm.engine
+    steps, laps = engine._steps, dict(engine.clock.seconds)
     start, cpu_start = time.perf_counter(), time.process_time()
-    llm.generate(prompts, [params] * len(prompts))
-    return time.perf_counter() - start, time.process_time() - cpu_start, llm.engine._steps - steps
+    idle = run()  # seconds of it left out
+    seconds, cpu_seconds = time.perf_counter() - start - idle, time.process_time() - cpu_start
+    return Timed(seconds, cpu_seconds, engine._steps - steps,
+                 {k: v - laps[k] for k, v in engine.clock.seconds.items() if v > laps[k]})
 
 
-def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, num_steps: int
-                    ) -> tuple[float, float, int]:
-    """(wall seconds, process CPU seconds, steps) of num_steps engine steps in which every request decodes:
-    the prompts are prefilled first, untimed, and every request asks for more tokens than the timed steps."""
+def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Timed:
+    """One generate() of every prompt."""
+    def generate() -> float:
+        llm.generate(prompts, [params] * len(prompts))
+        return 0.0
+
+    return timed(llm, generate)
+
+
+def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, num_steps: int,
+                    idle_s: float = 0.0) -> Timed:
+    """num_steps engine steps in which every request decodes: the prompts are prefilled first, untimed, and
+    every request asks for more tokens than the timed steps. idle_s: a sleep after each timed step, left out of
+    the times (how the engine runs after blocking that long, as it does for its masks on a small host)."""
     engine = llm.engine
     long = SamplingParams(temperature=params.temperature, max_tokens=num_steps + 16, ignore_eos=True,
                           detokenize=False, structured=params.structured)
@@ -93,16 +117,22 @@ def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         engine.step()
-    engine.step()  # the step that decodes every request's first sampled token
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for _ in range(num_steps):
-        engine.step()
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    for _ in range(3):  # the first decode steps; a constrained (pipelined) engine runs a launched step at the
+        engine.step()  # next call, so the last prompt chunks' forwards come after the loop above (~50 ms each)
+
+    def steps() -> float:
+        for _ in range(num_steps):
+            engine.step()
+            if idle_s:
+                time.sleep(idle_s)
+        return idle_s * num_steps
+
+    result = timed(llm, steps)
     for i in range(len(prompts)):
         engine.abort_request(f"decode-only-{base}-{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    return seconds, cpu_seconds, num_steps
+    return result
 
 
 def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
@@ -127,7 +157,7 @@ def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
     for obj, name, fn in originals:
         setattr(obj, name, timed(fn, name))
     try:
-        _, _, steps = run_once(llm, prompts, params)
+        steps = run_once(llm, prompts, params).steps
     finally:
         for obj, name, fn in originals:
             if obj is runner_mod:
@@ -150,6 +180,8 @@ def main() -> int:
     p.add_argument("--constrained", type=int, default=0, metavar="PROCESSES",
                    help="every request under a regex that never ends (JSON_LIKE), its matcher in one of this many "
                         "grammar processes: the engine thread's share of a constrained step (process CPU)")
+    p.add_argument("--idle-ms", type=float, default=0.0,
+                   help="with --decode-only: sleep this long after each timed step (left out of the times)")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -162,19 +194,21 @@ def main() -> int:
     run_once(llm, prompts, params)  # warm-up
     freeze_startup_objects()  # as the server's engine core does: unfrozen, 2 runs in 5 took a full collection
     collect_young_less_often()
-    per_step, cpu_per_step = [], []
-    for _ in range(args.runs):
-        seconds, cpu_seconds, steps = (run_decode_only(llm, prompts, params, args.max_tokens) if args.decode_only
-                                       else run_once(llm, prompts, params))
-        per_step.append(seconds * 1e3 / steps)
-        cpu_per_step.append(cpu_seconds * 1e3 / steps)
+    runs = [run_decode_only(llm, prompts, params, args.max_tokens, args.idle_ms / 1e3) if args.decode_only
+            else run_once(llm, prompts, params) for _ in range(args.runs)]
+    per_step = [r.seconds * 1e3 / r.steps for r in runs]
+    steps = runs[-1].steps
+    laps = {k: statistics.median(r.laps.get(k, 0.0) * 1e3 / r.steps for r in runs) for k in runs[-1].laps}
     result = {"batch": args.batch, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "decode_only": args.decode_only, "constrained_processes": args.constrained,
+              "decode_only": args.decode_only, "constrained_processes": args.constrained, "idle_ms": args.idle_ms,
               "steps_per_run": steps, "ms_per_step_runs": per_step, "ms_per_step": statistics.median(per_step),
-              "ms_per_step_min": min(per_step), "cpu_ms_per_step": statistics.median(cpu_per_step)}
+              "ms_per_step_min": min(per_step),
+              "cpu_ms_per_step": statistics.median(r.cpu_seconds * 1e3 / r.steps for r in runs),
+              "laps_ms_per_step": laps}
     print(f"batch {args.batch}, {steps} steps per run: host {result['ms_per_step']:.3f} ms/step, median of "
           f"{args.runs} (min {result['ms_per_step_min']:.3f}; runs {', '.join(f'{x:.3f}' for x in per_step)}); "
           f"process CPU {result['cpu_ms_per_step']:.3f} ms/step")
+    print("  engine laps, ms/step (median):", ", ".join(f"{k} {v:.2f}" for k, v in laps.items()))
     if args.sections:
         result["sections_ms_per_step"] = section_times(llm, prompts, params)
         for name, ms in result["sections_ms_per_step"].items():
