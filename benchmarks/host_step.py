@@ -83,7 +83,7 @@ class Timed:
     laps: dict[str, float]
 
 
-def timed(llm: LLM, run) -> Timed:
+def time_run(llm: LLM, run) -> Timed:
     """run() timed, with the engine's section laps it added."""
     engine = llm.engine
     steps, laps = engine._steps, dict(engine.clock.seconds)
@@ -100,7 +100,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Time
         llm.generate(prompts, [params] * len(prompts))
         return 0.0
 
-    return timed(llm, generate)
+    return time_run(llm, generate)
 
 
 def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, num_steps: int,
@@ -127,7 +127,7 @@ def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
                 time.sleep(idle_s)
         return idle_s * num_steps
 
-    result = timed(llm, steps)
+    result = time_run(llm, steps)
     for i in range(len(prompts)):
         engine.abort_request(f"decode-only-{base}-{i}")
     while engine.has_unfinished_requests():
