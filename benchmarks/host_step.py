@@ -22,7 +22,7 @@ table, writes JSON.
 --constrained N puts every request under a regex (JSON_LIKE) whose matchers live in N grammar processes, as on
 a GPU host: the engine thread's extra work for a constrained step (recording tokens, the Step's send and
 answer; on the CPU also the masks' apply, which a GPU does in a kernel). Compare its process CPU per step with
-a run without it.
+a run without it. --constrained-share F puts only that share of the requests under it (W-B json 20%: 0.2).
 """
 from __future__ import annotations
 
@@ -94,25 +94,25 @@ def time_run(llm: LLM, run) -> Timed:
                  {k: v - laps[k] for k, v in engine.clock.seconds.items() if v > laps[k]})
 
 
-def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Timed:
-    """One generate() of every prompt."""
+def run_once(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> Timed:
+    """One generate() of every prompt, each with its params."""
     def generate() -> float:
-        llm.generate(prompts, [params] * len(prompts))
+        llm.generate(prompts, params)
         return 0.0
 
     return time_run(llm, generate)
 
 
-def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, num_steps: int,
+def run_decode_only(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], num_steps: int,
                     idle_s: float = 0.0) -> Timed:
     """num_steps engine steps in which every request decodes: the prompts are prefilled first, untimed, and
     every request asks for more tokens than the timed steps. idle_s: a sleep after each timed step, left out of
     the times (how the engine runs after blocking that long, as it does for its masks on a small host)."""
     engine = llm.engine
-    long = SamplingParams(temperature=params.temperature, max_tokens=num_steps + 16, ignore_eos=True,
-                          detokenize=False, structured=params.structured)
     base = engine._steps
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        long = SamplingParams(temperature=p.temperature, max_tokens=num_steps + 16, ignore_eos=True,
+                              detokenize=False, structured=p.structured)
         engine.add_request(f"decode-only-{base}-{i}", prompt, long)
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
@@ -135,7 +135,7 @@ def run_decode_only(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     return result
 
 
-def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
+def section_times(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, float]:
     """One run with a timer around each host section: ms per step by section."""
     engine, runner = llm.engine, llm.engine.runner
     totals: dict[str, float] = defaultdict(float)
@@ -167,6 +167,13 @@ def section_times(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
     return {name: totals[name] * 1e3 / steps for name in sorted(totals, key=totals.get, reverse=True)}
 
 
+def constraints(batch: int, share: float) -> list[StructuredOutput | None]:
+    """The regex for `share` of `batch` rows spread evenly (row i when floor((i + 1) * share) steps up), None
+    for the others."""
+    return [StructuredOutput(regex=JSON_LIKE) if int((i + 1) * share) > int(i * share) else None
+            for i in range(batch)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256, help="concurrent requests (max_num_seqs)")
@@ -180,6 +187,9 @@ def main() -> int:
     p.add_argument("--constrained", type=int, default=0, metavar="PROCESSES",
                    help="every request under a regex that never ends (JSON_LIKE), its matcher in one of this many "
                         "grammar processes: the engine thread's share of a constrained step (process CPU)")
+    p.add_argument("--constrained-share", type=float, default=1.0, metavar="F",
+                   help="with --constrained: this share of the requests under the regex, spread evenly (W-B json "
+                        "20%%: 0.2), the others free")
     p.add_argument("--idle-ms", type=float, default=0.0,
                    help="with --decode-only: sleep this long after each timed step (left out of the times)")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
@@ -188,9 +198,9 @@ def main() -> int:
     llm = build_llm(args.batch, max_model_len=2048, grammar_processes=args.constrained)
     rnd = random.Random(0)
     prompts = [[rnd.randint(0, 500) for _ in range(rnd.randint(*args.prompt_len))] for _ in range(args.batch)]
-    constraint = StructuredOutput(regex=JSON_LIKE) if args.constrained else None
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
-                            detokenize=False, structured=constraint)
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
+                             detokenize=False, structured=constraint)
+              for constraint in constraints(args.batch, args.constrained and args.constrained_share)]
     run_once(llm, prompts, params)  # warm-up
     freeze_startup_objects()  # as the server's engine core does: unfrozen, 2 runs in 5 took a full collection
     collect_young_less_often()
@@ -200,7 +210,8 @@ def main() -> int:
     steps = runs[-1].steps
     laps = {k: statistics.median(r.laps.get(k, 0.0) * 1e3 / r.steps for r in runs) for k in runs[-1].laps}
     result = {"batch": args.batch, "max_tokens": args.max_tokens, "temperature": args.temperature,
-              "decode_only": args.decode_only, "constrained_processes": args.constrained, "idle_ms": args.idle_ms,
+              "decode_only": args.decode_only, "constrained_processes": args.constrained,
+              "constrained_share": args.constrained and args.constrained_share, "idle_ms": args.idle_ms,
               "steps_per_run": steps, "ms_per_step_runs": per_step, "ms_per_step": statistics.median(per_step),
               "ms_per_step_min": min(per_step),
               "cpu_ms_per_step": statistics.median(r.cpu_seconds * 1e3 / r.steps for r in runs),
