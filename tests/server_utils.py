@@ -20,6 +20,18 @@ from bench.server_thread import ServerThread as BaseServerThread
 REPO = Path(__file__).resolve().parent.parent
 
 
+def benchmark_module(name: str):
+    """benchmarks/<name>.py imported as module `name` (the folder is scripts, not a package); registered in
+    sys.modules first, where its dataclasses look their module up."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

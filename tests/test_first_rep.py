@@ -2,13 +2,11 @@
 question), on a stand-in engine and on made-up steps."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
-SPEC = importlib.util.spec_from_file_location("first_rep", Path(__file__).parents[1] / "benchmarks" / "first_rep.py")
-first_rep = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(first_rep)
+from server_utils import benchmark_module
+
+first_rep = benchmark_module("first_rep")
 
 
 def _step(n: int) -> SimpleNamespace:

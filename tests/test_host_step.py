@@ -2,17 +2,12 @@
 (W-B json 20% on the CPU)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
+from server_utils import REPO, benchmark_module
 
-ROOT = Path(__file__).parents[1]
-SPEC = importlib.util.spec_from_file_location("host_step", ROOT / "benchmarks" / "host_step.py")
-host_step = importlib.util.module_from_spec(SPEC)
-sys.modules["host_step"] = host_step  # its dataclasses look their module up
-SPEC.loader.exec_module(host_step)
+host_step = benchmark_module("host_step")
 
 
 def test_a_share_of_the_rows_is_constrained_spread_evenly():
@@ -28,7 +23,7 @@ def test_a_decode_only_run_with_half_the_rows_constrained_waits_for_masks(tmp_pa
     out = tmp_path / "host_step.json"
     subprocess.run([sys.executable, "benchmarks/host_step.py", "--batch", "8", "--max-tokens", "6", "--runs", "1",
                     "--decode-only", "--prompt-len", "5", "20", "--constrained", "1", "--constrained-share", "0.5",
-                    "--out", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+                    "--out", str(out)], cwd=REPO, check=True, capture_output=True, timeout=300)
     result = json.loads(out.read_text())
     assert result["constrained_share"] == 0.5 and result["steps_per_run"] == 6
     assert "mask wait" in result["laps_ms_per_step"]  # the steps sampled under grammar masks

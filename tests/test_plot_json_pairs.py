@@ -1,16 +1,12 @@
 """benchmarks/plot_json_pairs.py: issue 15's pairs, run by run and pooled by device, from online_pair.py records."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-SPEC = importlib.util.spec_from_file_location("plot_json_pairs",
-                                              Path(__file__).parents[1] / "benchmarks" / "plot_json_pairs.py")
-plot_json_pairs = importlib.util.module_from_spec(SPEC)
-sys.modules["plot_json_pairs"] = plot_json_pairs  # its dataclass looks its module up
-SPEC.loader.exec_module(plot_json_pairs)
+from server_utils import benchmark_module
+
+plot_json_pairs = benchmark_module("plot_json_pairs")
 
 
 def record(folder: Path, device: str | None, pairs: list[float], ratio: float) -> Path:

@@ -5,7 +5,6 @@ a tiny model (its SmolLM2 tokenizer writes JSON). No unexpected failure, no KV b
 The structured checks themselves are shown to fail on bad replies."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,17 +14,10 @@ import pytest
 
 from bench.soak_checks import check_reply, same_prompt_logprobs
 from bench.soak_spec import Check
+from server_utils import benchmark_module
 
 REPO = Path(__file__).resolve().parent.parent
 CONSTRAINED = ("json_schema", "json_object", "regex", "choice", "tools")
-
-
-def soak_module():
-    spec = importlib.util.spec_from_file_location("soak", REPO / "benchmarks" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("soak", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.timeout(400)
@@ -110,7 +102,7 @@ def test_structured_checks_fail_on_bad_replies():
 
 
 def test_the_plan_holds_every_structured_form():
-    soak = soak_module()
+    soak = benchmark_module("soak")
     plan = soak.make_plan(400, 0, None, 0.1, 0.05, 12, 0.05, 0.03, 0.03, 0.25)
     forms = {s.check.form for s in plan if s.kind == "structured"}
     assert forms == {*CONSTRAINED, "echo", "prompt_logprobs"}
