@@ -198,9 +198,9 @@ def main() -> int:
     llm = build_llm(args.batch, max_model_len=2048, grammar_processes=args.constrained)
     rnd = random.Random(0)
     prompts = [[rnd.randint(0, 500) for _ in range(rnd.randint(*args.prompt_len))] for _ in range(args.batch)]
+    share = args.constrained_share if args.constrained else 0.0
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
-                             detokenize=False, structured=constraint)
-              for constraint in constraints(args.batch, args.constrained and args.constrained_share)]
+                             detokenize=False, structured=constraint) for constraint in constraints(args.batch, share)]
     run_once(llm, prompts, params)  # warm-up
     freeze_startup_objects()  # as the server's engine core does: unfrozen, 2 runs in 5 took a full collection
     collect_young_less_often()
@@ -211,7 +211,7 @@ def main() -> int:
     laps = {k: statistics.median(r.laps.get(k, 0.0) * 1e3 / r.steps for r in runs) for k in runs[-1].laps}
     result = {"batch": args.batch, "max_tokens": args.max_tokens, "temperature": args.temperature,
               "decode_only": args.decode_only, "constrained_processes": args.constrained,
-              "constrained_share": args.constrained and args.constrained_share, "idle_ms": args.idle_ms,
+              "constrained_share": share, "idle_ms": args.idle_ms,
               "steps_per_run": steps, "ms_per_step_runs": per_step, "ms_per_step": statistics.median(per_step),
               "ms_per_step_min": min(per_step),
               "cpu_ms_per_step": statistics.median(r.cpu_seconds * 1e3 / r.steps for r in runs),

@@ -182,14 +182,16 @@ def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device
     """model.to(dtype).to_empty(device), each meta tensor replaced by an empty one (floating ones in dtype):
     torch's own path takes empty_like's reference on meta tensors, which imports torch.fx's symbolic shapes
     (~0.25 s of every CPU server start, 2026-12-07)."""
-    made: dict[int, torch.Tensor] = {}  # a tensor held by two modules stays one
+    # id -> (meta, empty): a tensor two modules hold stays one. The meta tensor is kept too, so that its id is
+    # not reused by another tensor once no module holds it any more.
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, t in table.items():
                 if t is not None:
                     if id(t) not in made:
-                        made[id(t)] = _empty_like(t, dtype, device)
-                    table[name] = made[id(t)]
+                        made[id(t)] = (t, _empty_like(t, dtype, device))
+                    table[name] = made[id(t)][1]
 
 
 def _empty_like(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
