@@ -86,6 +86,8 @@ class EngineConfig:
     # How long the engine thread polls for a step's grammar masks before it blocks, in ms. None: 3 on hosts of 8
     # usable cores or more, else 0 (engine/grammar_link.py SPIN_S).
     structured_outputs_spin_ms: float | None = None
+    # A CSV line per step into this file (engine/step_trace.py): the rows and tokens of each step, for benchmarks.
+    step_trace: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()

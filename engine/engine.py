@@ -20,6 +20,7 @@ from engine.runner import (ModelRunner, PreparedStep, RunnerOutput, StepHandle, 
                            profile_step_peak_bytes)
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.step_clock import StepClock
+from engine.step_trace import StepTrace
 from engine.setup import (choose_backend, eos_ids, resolve_device, resolve_dtype,
                           resolve_max_num_batched_tokens, structured_outputs,
                           structured_outputs_ready)
@@ -80,6 +81,7 @@ class LLMEngine:
         self._busy_s = 0.0  # time in step(): stats() -> the busy-seconds counter
         self.clock = self.runner.clock = StepClock()  # the same time by section of the step (engine/step_clock.py)
         self._idle_checked = True  # the invariant is checked once per busy -> idle transition
+        self.trace = StepTrace(config.step_trace) if config.step_trace else None
         # Overlap host work with the device's: only a GPU runs ahead of the host.
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -267,6 +269,8 @@ class LLMEngine:
             return False
         self._steps += 1
         self._idle_checked = False
+        if self.trace is not None:
+            self.trace.record(sched_out, len(self.scheduler.running), len(self.scheduler.waiting))
         return True
 
     def _guarded(self, sched_out: SchedulerOutput, outputs: list[StepOutput], call, what: str = "model step"):

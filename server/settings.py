@@ -163,6 +163,8 @@ ENGINE_HELP = {
                                        "(default: half the host's cores shared among the processes)",
     "structured_outputs_spin_ms": "structured outputs: how long the engine polls for a step's grammar masks before "
                                   "it blocks, in ms (default: 3 on hosts of 8 or more cores, else 0)",
+    "step_trace": "append a CSV line per engine step to this file (its rows, prefill rows, tokens, running and "
+                  "waiting requests: engine/step_trace.py), for benchmarks",
 }
 
 SERVER_HELP = {

@@ -234,3 +234,22 @@ def test_prompt_logprobs_of_a_one_token_prompt_are_an_empty_list(llm):
     assert one.outputs[0].prompt_logprobs == [] and len(two.outputs[0].prompt_logprobs) == 1
     plain = llm.generate([[500]], SamplingParams(max_tokens=1))[0]
     assert plain.outputs[0].prompt_logprobs is None
+
+
+def test_step_trace_has_a_line_per_step_with_its_rows(tiny_model_dir, tmp_path):
+    """--step-trace: one line per launched step, pipelined too; its rows, prefill rows and sampling rows
+    add up to what the requests did (every generated token sampled once, every prompt prefilled)."""
+    from engine.step_trace import read_trace
+
+    path = tmp_path / "trace.csv"
+    llm = LLM(model=str(tiny_model_dir("llama")), num_kv_blocks=64, block_size=16, max_num_batched_tokens=48,
+              async_scheduling=True, step_trace=str(path))
+    prompts = [list(range(100, 100 + n)) for n in (40, 30, 5)]  # 75 prompt ids: two steps of prefill at least
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    lines = read_trace(str(path))
+    assert len(lines) == llm.engine.stats().num_steps >= 4
+    assert sum(line["sampling_rows"] for line in lines) == sum(len(r.outputs[0].token_ids) for r in out) == 18
+    assert sum(line["tokens"] for line in lines) == 75 + 3 * 5  # each prompt once, then 5 decodes each
+    assert lines[0]["prefill_rows"] >= 1 and lines[-1]["prefill_rows"] == 0 and lines[-1]["rows"] >= 1
+    assert all(line["tokens"] <= 48 for line in lines)
+    assert [line["t_s"] for line in lines] == sorted(line["t_s"] for line in lines)
