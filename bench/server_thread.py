@@ -17,11 +17,12 @@ from pathlib import Path
 
 class ServerThread:
     def __init__(self, engine_config, settings, engine_factory=None, draining: bool = False,
-                 ready_timeout_s: float = 120.0) -> None:
+                 ready_timeout_s: float = 120.0, start_method: str = "spawn") -> None:
         self.engine_config, self.settings = engine_config, settings
         self.engine_factory = engine_factory
         self.draining = draining  # frontend.DrainingServer (what `kvserve serve` runs) instead of uvicorn.Server
         self.ready_timeout_s = ready_timeout_s
+        self.start_method = start_method  # the core's (engine.core.process.start_engine_core)
         self.base_url = f"http://127.0.0.1:{settings.port}"
         self.app = self.aengine = self.server = self.thread = self.core = None
 
@@ -33,7 +34,8 @@ class ServerThread:
         from server.frontend import DrainingServer, FrontendSpec, build_frontend, uvicorn_config
 
         addresses = CoreAddresses.new(1)
-        self.core = start_engine_core(EngineCoreSpec(self.engine_config, addresses, "warning", self.engine_factory))
+        self.core = start_engine_core(EngineCoreSpec(self.engine_config, addresses, "warning", self.engine_factory),
+                                      self.start_method)
         try:
             spec = FrontendSpec(self.settings, CoreConnection([CoreEndpoint(addresses, self.core.core_alive)]),
                                 self.engine_config.model)

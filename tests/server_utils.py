@@ -144,7 +144,8 @@ class ServerThread(BaseServerThread):
         engine_opts.update({k: v for k, v in options.items() if k in engine_fields})
         server_opts = {k: v for k, v in options.items() if k not in engine_fields}
         super().__init__(EngineConfig(**engine_opts), ServerSettings(port=free_port(), log_level="warning",
-                                                                     **server_opts), engine_factory, draining)
+                                                                     **server_opts), engine_factory, draining,
+                         start_method="forkserver")
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url("/metrics"), timeout=10).text)
