@@ -148,7 +148,7 @@ LONELY_LAUNCHER = """
 import sys, time
 from engine.config import EngineConfig
 from engine.core.process import CoreAddresses, EngineCoreSpec, start_engine_core
-handle = start_engine_core(EngineCoreSpec(EngineConfig(model=sys.argv[1], device="cpu"), CoreAddresses.new(1), "warning"))
+handle = start_engine_core(EngineCoreSpec(EngineConfig(model=sys.argv[1], device="cpu"), CoreAddresses.new(1), "info"))
 print(handle.process.pid, flush=True)
 time.sleep(600)
 """
@@ -162,10 +162,13 @@ def test_a_core_whose_front_end_never_came_up_exits_with_its_launcher(model_dir)
 
     from server_utils import REPO
 
-    launcher = subprocess.Popen([sys.executable, "-c", LONELY_LAUNCHER, model_dir], cwd=REPO,
-                                stdout=subprocess.PIPE, text=True, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    launcher = subprocess.Popen([sys.executable, "-c", LONELY_LAUNCHER, model_dir], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     core = psutil.Process(int(launcher.stdout.readline()))
-    time.sleep(8)  # long enough to load a tiny model and get stuck announcing it
+    # The engine's last words once built ("KV cache: ..."); then it waits to announce itself to no front end.
+    assert any("KV cache:" in line for line in iter(launcher.stderr.readline, "")), "the core never loaded"
+    time.sleep(0.5)
     launcher.kill()
     launcher.wait()
     assert not wait_gone([core], 15)
