@@ -25,16 +25,23 @@ def shared_prefix_prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 def hf_greedy(model_dir, prompts: list[list[int]], eos_ids: list[int], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Hugging Face `generate`, greedy, every prompt in one left-padded batch (its attention mask and positions
+    leave the padding out). One prompt at a time took ~9 s for SmolLM2's eight prompts on a 2-core CPU; the
+    batch ~1.5 s. A row's output ends at its first EOS (generate pads a finished row with pad_token_id)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
-    outs = []
-    for p in prompts:
-        with torch.inference_mode():
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos_ids,
-                                 pad_token_id=eos_ids[0])
-        outs.append(ids[0, len(p):].tolist())
-    return outs
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[eos_ids[0]] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=eos_ids, pad_token_id=eos_ids[0])
+    return [_through_first_eos(row[width:].tolist(), eos_ids) for row in out]
+
+
+def _through_first_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
+    ends = [i for i, t in enumerate(tokens) if t in eos_ids]
+    return tokens[:ends[0] + 1] if ends else tokens
 
 
 def ours(llm: LLM, prompts, n: int = 1) -> list[list[list[int]]]:
