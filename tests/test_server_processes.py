@@ -198,3 +198,14 @@ def test_the_front_end_loads_its_tokenizer_while_the_core_loads_the_model(model_
         starter.join(timeout=120)
         if server.thread is not None:
             server.__exit__(None, None, None)
+
+
+def test_a_forked_core_cannot_take_an_environment_to_set_before_its_imports():
+    """The forkserver imported torch already: a spec whose environment must come first is refused, not dropped."""
+    from engine.config import EngineConfig
+    from engine.core.process import CoreAddresses, EngineCoreSpec, start_engine_core
+
+    spec = EngineCoreSpec(EngineConfig(model="m", device="cpu"), CoreAddresses("ipc://x", []),
+                          env={"CUDA_VISIBLE_DEVICES": "1"})
+    with pytest.raises(ValueError, match="spawn it"):
+        start_engine_core(spec, start_method="forkserver")

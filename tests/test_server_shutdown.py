@@ -140,6 +140,28 @@ def test_drain_when_idle_stops_at_once(model_dir):
     assert not [t.name for t in threading.enumerate() if t.name.startswith("kvserve")]
 
 
+def test_a_connection_accepted_as_the_drain_ends_still_gets_its_answer(model_dir):
+    """A front end with nothing in flight drains at once. A client it had accepted but whose request had not come
+    yet was closed unanswered by the exit (with several front ends on one socket, CI saw a GET /ready during a
+    drain get `Connection reset by peer`). The front end now stops accepting first and answers what it holds."""
+    import socket
+
+    with ServerThread(model_dir, draining=True, shutdown_timeout=30.0) as s:
+        client = socket.create_connection(("127.0.0.1", s.settings.port), timeout=10)
+        wait_for(lambda: len(s.server.server_state.connections) == 1, what="the connection to be accepted")
+        s.server.handle_exit(signal.SIGTERM, None)
+        time.sleep(0.25)  # past uvicorn's 0.1 s tick: the drain is over and the exit has begun
+        client.sendall(b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        reply = b""
+        with contextlib.suppress(OSError):
+            while chunk := client.recv(4096):
+                reply += chunk
+        client.close()
+        s.thread.join(30)
+        assert not s.thread.is_alive()
+    assert reply.startswith(b"HTTP/1.1 503"), reply[:200]
+
+
 def test_shutdown_timeout_aborts_what_is_left(model_dir):
     faults = Faults()
     faults.step_delay = 0.05  # the long request needs >= 24 s, the short one well under the 3 s timeout
