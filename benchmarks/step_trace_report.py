@@ -1,12 +1,13 @@
 """Read a `--step-trace` file: the loads in it (cut apart by idle gaps), each load's steps and their rows.
 
-    python benchmarks/step_trace_report.py TRACE.csv [--gap-s 0.3] [--json OUT.json] [--plot OUT.png]
+    python benchmarks/step_trace_report.py TRACE.csv [--gap-s 0.3] [--min-rows N] [--json OUT.json] [--plot OUT.png]
 
 A load is a run of steps with no gap longer than --gap-s between two launches (online_pair.py's loads are
 seconds apart: the clients start in between). Per load it prints steps, generated tokens a step, the time from
 first to last step, the steps that carried prefill rows, and how many steps ran with at most half the most
 rows the load ever had in one step ("thin" steps: the batch split in two would show as half the steps thin).
---plot draws rows per step against time, one panel per load (the trace's first 12 loads).
+--min-rows N leaves out loads that never had N rows in one step (bench serve's one-request warm-ups). --plot
+draws rows per step against time, one panel per load (the first 12 loads reported).
 """
 from __future__ import annotations
 
@@ -77,10 +78,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trace")
     p.add_argument("--gap-s", type=float, default=0.3)
+    p.add_argument("--min-rows", type=int, default=1, help="leave out loads that never had this many rows a step")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args(argv)
-    loads = split_loads(read_trace(args.trace), args.gap_s)
+    loads = [load for load in split_loads(read_trace(args.trace), args.gap_s)
+             if max(line["rows"] for line in load) >= args.min_rows]
     summaries = [summarize(load) for load in loads]
     print("\n".join(table(summaries)))
     if args.json:

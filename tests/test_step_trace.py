@@ -30,3 +30,5 @@ def test_loads_split_at_gaps_and_a_split_batch_shows_thin_steps(tmp_path, monkey
     assert (second["steps"], second["thin_steps"], second["tokens_per_step"]) == (5, 4, 4.8)
     assert first["decode_ms_per_step"] == 4.0 and second["decode_ms_per_step"] == 2.0
     assert (tmp_path / "r.png").stat().st_size > 1000
+    assert report.main([str(tmp_path / "t.csv"), "--min-rows", "9", "--json", str(out)]) == 0
+    assert __import__("json").loads(out.read_text()) == []  # neither load ever ran 9 rows

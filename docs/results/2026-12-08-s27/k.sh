@@ -12,7 +12,7 @@ timeout -s KILL 400 python3 benchmarks/online_pair.py --no-vllm --repeat "${REPE
   --raw-dir "$out/raw" --deadline-s 360 --kvserve-args "--step-trace $(realpath "$out")/trace.csv ${KVSERVE_ARGS:-}" \
   > "$out/pair.log" 2>&1
 grep -E "^\| (W-B|TTFT|load|prompt)|target" "$out/pair.log" | cut -c1-400
-python3 benchmarks/step_trace_report.py "$out/trace.csv" --json "$out/trace_loads.json" --plot "$out/trace.png" \
+python3 benchmarks/step_trace_report.py "$out/trace.csv" --min-rows 16 --json "$out/trace_loads.json" --plot "$out/trace.png" \
   | head -60
 gzip -f "$out/trace.csv"
 tar czf "$out/raw.tgz" -C "$out" raw && rm -rf "$out/raw"
