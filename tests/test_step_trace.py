@@ -2,6 +2,7 @@
 a batch split in two (alternating halves) counted as thin steps."""
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -25,10 +26,10 @@ def test_loads_split_at_gaps_and_a_split_batch_shows_thin_steps(tmp_path, monkey
         trace.record(_step(rows, 8 if rows == 8 else 0), 8, 0)
     out = tmp_path / "r.json"
     assert report.main([str(tmp_path / "t.csv"), "--json", str(out), "--plot", str(tmp_path / "r.png")]) == 0
-    first, second = __import__("json").loads(out.read_text())
+    first, second = json.loads(out.read_text())
     assert (first["steps"], first["thin_steps"], first["prefill_steps"], first["tokens_per_step"]) == (4, 0, 1, 8)
     assert (second["steps"], second["thin_steps"], second["tokens_per_step"]) == (5, 4, 4.8)
     assert first["decode_ms_per_step"] == 4.0 and second["decode_ms_per_step"] == 2.0
     assert (tmp_path / "r.png").stat().st_size > 1000
     assert report.main([str(tmp_path / "t.csv"), "--min-rows", "9", "--json", str(out)]) == 0
-    assert __import__("json").loads(out.read_text()) == []  # neither load ever ran 9 rows
+    assert json.loads(out.read_text()) == []  # neither load ever ran 9 rows
