@@ -34,10 +34,10 @@ class StepTrace:
 
 def read_trace(path: str) -> list[dict[str, float]]:
     """The lines of a trace as dicts (a repeated header, from a second engine on the same file, is skipped)."""
-    rows = []
+    names, rows = HEADER.split(","), []
     with open(path) as f:
         for line in f:
-            if line.strip() and not line.startswith("t_s"):
-                values = line.strip().split(",")
-                rows.append({name: float(v) for name, v in zip(HEADER.split(","), values)})
+            line = line.strip()
+            if line and line != HEADER:
+                rows.append({name: float(v) for name, v in zip(names, line.split(","))})
     return rows
